@@ -1,0 +1,17 @@
+"""The remote-code bundle of D3D drafters (copied next to every saved checkpoint)."""
+
+from .configuration_d3d import D3DConfig
+from .generation_d3d import D3DCandidateGenerator, D3DGenerationStats, install_generation_hook, remove_generation_hook
+from .modeling_d3d import D3DCache, D3DForDiffusionDrafting, D3DModel, D3DPreTrainedModel
+
+__all__ = [
+    "D3DCache",
+    "D3DCandidateGenerator",
+    "D3DConfig",
+    "D3DForDiffusionDrafting",
+    "D3DGenerationStats",
+    "D3DModel",
+    "D3DPreTrainedModel",
+    "install_generation_hook",
+    "remove_generation_hook",
+]
