@@ -1,0 +1,63 @@
+"""Creating, saving and loading D3D drafters from the Python API and the CLI."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModel
+
+from .modeling import D3DConfig, D3DForDiffusionDrafting
+from .targets import parse_dtype
+
+
+def ensure_writable_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Returns `path` as a `Path` after checking it may be written.
+
+    Raises:
+        FileExistsError: if `path` is a non-empty directory (or a file) and `overwrite` is `False`; nothing a user
+            saved is replaced without being asked.
+    """
+    path = Path(path)
+    if path.exists() and (path.is_file() or any(path.iterdir())) and not overwrite:
+        raise FileExistsError(
+            f"{path} already exists and is not empty; choose another output or pass --overwrite (files of the same "
+            "name are replaced, other files are kept)."
+        )
+    return path
+
+
+def load_drafter(
+    name_or_path: str, dtype: torch.dtype | str = torch.float32, device: str = "cpu"
+) -> D3DForDiffusionDrafting:
+    """Loads a saved D3D drafter.
+
+    Args:
+        name_or_path (`str`): a folder written by `save_pretrained` (or `d3d-hf init-drafter`) or a hub id.
+        dtype (`torch.dtype` or `str`, defaults to `torch.float32`): weight dtype.
+        device (`str`, defaults to `"cpu"`): device to load to.
+
+    Returns:
+        `D3DForDiffusionDrafting` in eval mode.
+
+    Raises:
+        FileNotFoundError: if a local-looking path does not exist.
+        ValueError: if the checkpoint is not a D3D drafter.
+    """
+    looks_local = os.path.sep in name_or_path or name_or_path.startswith(".") or os.path.exists(name_or_path)
+    if looks_local and not os.path.isdir(name_or_path):
+        raise FileNotFoundError(
+            f"No drafter folder at {name_or_path}; create one with `d3d-hf init-drafter --from TARGET --output DIR`."
+        )
+    config = AutoConfig.from_pretrained(name_or_path)
+    if not isinstance(config, D3DConfig):
+        raise ValueError(
+            f"{name_or_path} holds a `{config.model_type}` model, not a D3D drafter (model_type 'd3d'); create one "
+            "with `d3d-hf init-drafter`."
+        )
+    drafter = AutoModel.from_pretrained(name_or_path, dtype=parse_dtype(dtype))
+    return drafter.to(device).eval()
+
+
+__all__ = ["D3DForDiffusionDrafting", "ensure_writable_dir", "load_drafter"]

@@ -1,0 +1,38 @@
+"""Tiny random Llama- and Qwen3-style targets (no hub access needed)."""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+FAMILIES = ("llama", "qwen3")
+
+
+def tiny_target(family: str = "llama", vocab_size: int = 97, seed: int = 0, num_layers: int = 3, sharpen: float = 1.0):
+    """A random causal LM; `sharpen` scales the LM head so that next-token distributions are peaky."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **common))
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, tie_word_embeddings=False, **common))
+    else:
+        raise ValueError(family)
+    if sharpen != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(sharpen)
+    return model.eval()
+
+
+def random_prompt(length: int = 7, vocab_size: int = 97, seed: int = 0) -> torch.LongTensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (1, length), generator=g)
