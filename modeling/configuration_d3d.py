@@ -6,6 +6,9 @@ Part of the self-contained remote-code bundle: imports only the public transform
 from transformers import PretrainedConfig
 
 
+DEFAULT_BLOCK_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 class D3DConfig(PretrainedConfig):
     r"""
     Configuration of a D3D drafter (`D3DForDiffusionDrafting`): a standalone block-diffusion language model
@@ -63,6 +66,19 @@ class D3DConfig(PretrainedConfig):
             pruning).
         target_model (`str`, *optional*):
             Name or path of the target model the drafter was made for.
+        block_lora_rank (`int`, *optional*, defaults to 0):
+            Rank of the low-rank adapters applied only at draft-block positions (0 = none). The committed context
+            and the anchor always use the unmodified weights (see `D3DLinear`).
+        block_lora_alpha (`float`, *optional*, defaults to 16.0):
+            Adapter scaling numerator (`alpha / rank`).
+        block_lora_modules (`list[str]`, *optional*):
+            Projections that get a block adapter; defaults to all seven (`q_proj`, `k_proj`, `v_proj`, `o_proj`,
+            `gate_proj`, `up_proj`, `down_proj`).
+        shares_target_weights (`bool`, *optional*, defaults to `False`):
+            The checkpoint stores only drafter-specific weights (mask embedding, block adapters); embeddings,
+            layers (`source_layer_ids` of the target), final norm and LM head are the target's own tensors,
+            attached with `attach_target_weights(target)` (done automatically by `target.generate(...,
+            assistant_model=drafter)`). Keeps a full-depth drafter a few MB on disk and free in memory.
         initializer_range (`float`, *optional*, defaults to 0.02):
             Standard deviation of the normal initialiser for freshly created weights.
         attention_dropout (`float`, *optional*, defaults to 0.0):
@@ -106,6 +122,10 @@ class D3DConfig(PretrainedConfig):
         source_model: str | None = None,
         source_layer_ids: list[int] | None = None,
         target_model: str | None = None,
+        block_lora_rank: int = 0,
+        block_lora_alpha: float = 16.0,
+        block_lora_modules: list[str] | None = None,
+        shares_target_weights: bool = False,
         initializer_range: float = 0.02,
         attention_dropout: float = 0.0,
         bos_token_id: int | None = None,
@@ -155,6 +175,15 @@ class D3DConfig(PretrainedConfig):
         self.source_model = source_model
         self.source_layer_ids = list(source_layer_ids) if source_layer_ids is not None else None
         self.target_model = target_model
+        self.block_lora_rank = int(block_lora_rank)
+        self.block_lora_alpha = float(block_lora_alpha)
+        self.block_lora_modules = list(block_lora_modules or DEFAULT_BLOCK_LORA_MODULES)
+        unknown = sorted(set(self.block_lora_modules) - set(DEFAULT_BLOCK_LORA_MODULES))
+        if unknown:
+            raise ValueError(f"Unknown `block_lora_modules` {unknown}; choose from {list(DEFAULT_BLOCK_LORA_MODULES)}.")
+        if self.block_lora_rank < 0:
+            raise ValueError(f"`block_lora_rank` must be >= 0, got {block_lora_rank}.")
+        self.shares_target_weights = bool(shares_target_weights)
         self.initializer_range = initializer_range
         self.attention_dropout = attention_dropout
         super().__init__(
@@ -166,4 +195,4 @@ class D3DConfig(PretrainedConfig):
         )
 
 
-__all__ = ["D3DConfig"]
+__all__ = ["DEFAULT_BLOCK_LORA_MODULES", "D3DConfig"]

@@ -98,7 +98,7 @@ class D3DCandidateGenerator(CandidateGenerator):
 
     def __init__(
         self,
-        drafter: "D3DForDiffusionDrafting",
+        drafter: D3DForDiffusionDrafting,
         input_ids: torch.LongTensor,
         generation_config,
         logits_processor=None,
@@ -131,7 +131,9 @@ class D3DCandidateGenerator(CandidateGenerator):
     def _draft_device(self) -> torch.device:
         return self.drafter.model.embed_tokens.weight.device
 
-    def get_candidates(self, input_ids: torch.LongTensor, **kwargs: Any) -> tuple[torch.LongTensor, torch.Tensor | None]:
+    def get_candidates(
+        self, input_ids: torch.LongTensor, **kwargs: Any
+    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """Drafts up to `block_size - 1` tokens after `input_ids`.
 
         Args:
@@ -154,15 +156,24 @@ class D3DCandidateGenerator(CandidateGenerator):
         logits = self.drafter.draft_logits(committed, self.cache)[:, :num_drafts].float()
 
         sequence = input_ids.to(device)
+        has_processors = self.logits_processor is not None and len(self.logits_processor) > 0
+        if not has_processors:
+            # no history-dependent processors: choose every draft token in one vectorised call
+            if self.do_sample:
+                chosen = torch.multinomial(logits[0].softmax(dim=-1), num_samples=1).view(1, -1)
+            else:
+                chosen = logits.argmax(dim=-1)
         drafts, scores = [], []
         for k in range(num_drafts):
             step_scores = logits[:, k]
-            if self.logits_processor is not None and len(self.logits_processor) > 0:
+            if has_processors:
                 step_scores = self.logits_processor(sequence, step_scores)
-            if self.do_sample:
-                token = torch.multinomial(step_scores.softmax(dim=-1), num_samples=1)
+                if self.do_sample:
+                    token = torch.multinomial(step_scores.softmax(dim=-1), num_samples=1)
+                else:
+                    token = step_scores.argmax(dim=-1, keepdim=True)
             else:
-                token = step_scores.argmax(dim=-1, keepdim=True)
+                token = chosen[:, k : k + 1]
             if self.stop_string_criteria is not None:
                 extended = torch.cat([sequence, token], dim=1)
                 if bool(self.stop_string_criteria(extended, None).any()):

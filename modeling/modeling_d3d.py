@@ -9,8 +9,8 @@ shape `(batch_size, 1, query_len, key_len)`; `key_len` counts the cached tokens 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -141,6 +141,54 @@ def eager_attention_forward(
     return attn_output, attn_weights
 
 
+class D3DLinear(nn.Linear):
+    """`nn.Linear` with an optional low-rank adapter applied only at draft-block positions ("block LoRA").
+
+    `forward(x, block_gate)` returns `x W^T + b + block_gate * (alpha / r) * x A^T B^T`, where `block_gate` is
+    `(batch_size, seq_len, 1)` (1 at draft-block positions, 0 at committed-context positions) or `None` (no adapter).
+    Design choice (DESIGN.md section 8, lesson 3): the committed context and the anchor go through the unmodified
+    weights, so an adapted drafter keeps the source model's exact first-token prediction and a KV cache identical
+    to the source model's, while the mask positions learn to denoise the block. `lora_B` starts at zero, so a fresh
+    adapter leaves the drafter unchanged.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, rank: int = 0, alpha: float = 16.0):
+        super().__init__(in_features, out_features, bias=bias)
+        self.rank = int(rank)
+        if self.rank > 0:
+            self.lora_A = nn.Parameter(torch.zeros(self.rank, in_features))
+            self.lora_B = nn.Parameter(torch.zeros(out_features, self.rank))
+            self.lora_scaling = float(alpha) / self.rank
+
+    def add_adapter(self, rank: int, alpha: float) -> None:
+        """Creates a fresh block adapter (`lora_A` ~ N(0, 1/in_features), `lora_B` = 0) of the given rank."""
+        self.rank = int(rank)
+        ref = self.weight
+        self.lora_A = nn.Parameter(
+            torch.randn(self.rank, self.in_features, device=ref.device, dtype=ref.dtype) / self.in_features**0.5
+        )
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, self.rank, device=ref.device, dtype=ref.dtype))
+        self.lora_scaling = float(alpha) / self.rank
+
+    def forward(self, x: torch.Tensor, block_gate: torch.Tensor | None = None) -> torch.Tensor:
+        out = super().forward(x)
+        if self.rank > 0 and block_gate is not None:
+            delta = nn.functional.linear(nn.functional.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype))
+            out = out + block_gate.to(x.dtype) * (self.lora_scaling * delta)
+        return out
+
+
+class D3DMaskEmbedding(nn.Module):
+    """The mask token's learned input embedding, `weight` of shape `(hidden_size,)`, kept outside the vocabulary.
+
+    A module (not a bare parameter) so that PEFT can train and save it (`modules_to_save=["mask_embedding"]`).
+    """
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+
+
 class D3DRMSNorm(nn.Module):
     """Root-mean-square layer norm over the last dimension (computed in float32)."""
 
@@ -200,10 +248,15 @@ class D3DAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.is_causal = False  # the mask is always explicit
         h, kv = config.num_attention_heads, config.num_key_value_heads
-        self.q_proj = nn.Linear(config.hidden_size, h * self.head_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv * self.head_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv * self.head_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(h * self.head_dim, config.hidden_size, bias=config.attention_bias)
+
+        def linear(name, n_in, n_out):
+            rank = config.block_lora_rank if name in config.block_lora_modules else 0
+            return D3DLinear(n_in, n_out, config.attention_bias, rank, config.block_lora_alpha)
+
+        self.q_proj = linear("q_proj", config.hidden_size, h * self.head_dim)
+        self.k_proj = linear("k_proj", config.hidden_size, kv * self.head_dim)
+        self.v_proj = linear("v_proj", config.hidden_size, kv * self.head_dim)
+        self.o_proj = linear("o_proj", h * self.head_dim, config.hidden_size)
         if config.use_qk_norm:
             self.q_norm = D3DRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = D3DRMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -214,15 +267,16 @@ class D3DAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor,
         past_key_values: D3DCache | None = None,
+        block_gate: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states = self.q_proj(hidden_states).view(hidden_shape)
-        key_states = self.k_proj(hidden_states).view(hidden_shape)
+        query_states = self.q_proj(hidden_states, block_gate).view(hidden_shape)
+        key_states = self.k_proj(hidden_states, block_gate).view(hidden_shape)
         if self.config.use_qk_norm:
             query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
         query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states, block_gate).view(hidden_shape).transpose(1, 2)
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
@@ -243,7 +297,7 @@ class D3DAttention(nn.Module):
             is_causal=False,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(attn_output), attn_weights
+        return self.o_proj(attn_output, block_gate), attn_weights
 
 
 class D3DMLP(nn.Module):
@@ -251,13 +305,18 @@ class D3DMLP(nn.Module):
 
     def __init__(self, config: D3DConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        def linear(name, n_in, n_out):
+            rank = config.block_lora_rank if name in config.block_lora_modules else 0
+            return D3DLinear(n_in, n_out, config.mlp_bias, rank, config.block_lora_alpha)
+
+        self.gate_proj = linear("gate_proj", config.hidden_size, config.intermediate_size)
+        self.up_proj = linear("up_proj", config.hidden_size, config.intermediate_size)
+        self.down_proj = linear("down_proj", config.intermediate_size, config.hidden_size)
         self.act_fn = ACT2FN[config.hidden_act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, block_gate: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.act_fn(self.gate_proj(x, block_gate)) * self.up_proj(x, block_gate)
+        return self.down_proj(hidden, block_gate)
 
 
 class D3DDecoderLayer(nn.Module):
@@ -276,13 +335,14 @@ class D3DDecoderLayer(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor,
         past_key_values: D3DCache | None = None,
+        block_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         residual = hidden_states
         hidden_states, _ = self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, attention_mask, past_key_values
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask, past_key_values, block_gate
         )
         hidden_states = residual + hidden_states
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states), block_gate)
 
 
 @dataclass
@@ -322,8 +382,11 @@ class D3DPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        if isinstance(module, D3DModel) and module.mask_embedding is not None:
-            nn.init.normal_(module.mask_embedding, mean=0.0, std=self.config.initializer_range)
+        if isinstance(module, D3DMaskEmbedding):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+        if isinstance(module, D3DLinear) and module.rank > 0:
+            nn.init.normal_(module.lora_A, mean=0.0, std=module.in_features**-0.5)
+            nn.init.zeros_(module.lora_B)
 
 
 class D3DModel(D3DPreTrainedModel):
@@ -337,9 +400,7 @@ class D3DModel(D3DPreTrainedModel):
         self.rotary_emb = D3DRotaryEmbedding(config)
         # A vocabulary that fills every id (SmolLM2) has no spare row for the mask token: keep it separately so the
         # drafter's `vocab_size` stays equal to the target's (transformers' assisted generation requires it).
-        self.mask_embedding = (
-            nn.Parameter(torch.zeros(config.hidden_size)) if config.mask_token_id is None else None
-        )
+        self.mask_embedding = D3DMaskEmbedding(config.hidden_size) if config.mask_token_id is None else None
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -351,7 +412,7 @@ class D3DModel(D3DPreTrainedModel):
     def mask_token_embedding(self) -> torch.Tensor:
         """The mask token's input embedding, shape `(hidden_size,)`."""
         if self.mask_embedding is not None:
-            return self.mask_embedding
+            return self.mask_embedding.weight
         return self.embed_tokens.weight[self.config.mask_token_id]
 
     def forward(
@@ -364,6 +425,7 @@ class D3DModel(D3DPreTrainedModel):
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool = False,
         output_hidden_states: bool = False,
+        block_positions: torch.BoolTensor | None = None,
     ) -> D3DModelOutput:
         r"""
         Args:
@@ -386,6 +448,9 @@ class D3DModel(D3DPreTrainedModel):
                 Whether to append the current keys/values to `past_key_values` (created when `None`).
             output_hidden_states (`bool`, defaults to `False`):
                 Whether to return the hidden states of every layer.
+            block_positions (`torch.BoolTensor` of shape `(batch_size, seq_len)`, *optional*):
+                Positions that belong to a draft block, where the block adapters (`block_lora_rank > 0`) apply;
+                defaults to `masked_positions`.
 
         Returns:
             `D3DModelOutput` with `last_hidden_state` of shape `(batch_size, seq_len, hidden_size)`.
@@ -436,9 +501,14 @@ class D3DModel(D3DPreTrainedModel):
         cache = past_key_values if use_cache else None
         if past_key_values is not None and not use_cache and past_len > 0:
             raise ValueError("Reading a cache without extending it is not supported: pass `use_cache=True`.")
+        if block_positions is None:
+            block_positions = masked_positions
+        block_gate = None
+        if self.config.block_lora_rank > 0 and block_positions is not None:
+            block_gate = block_positions[..., None].to(hidden_states.dtype)
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         for layer in self.layers:
-            hidden_states = layer(hidden_states, position_embeddings, attention_mask, cache)
+            hidden_states = layer(hidden_states, position_embeddings, attention_mask, cache, block_gate)
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
         hidden_states = self.norm(hidden_states)
@@ -472,6 +542,94 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         self.post_init()
         install_generation_hook()
         self.last_generation_stats = None
+        self._attached_target = None
+        if config.shares_target_weights:
+            # only drafter-specific weights are stored; the rest comes from the target (`attach_target_weights`)
+            self._keys_to_ignore_on_load_missing = [r"^(?!.*(lora_A|lora_B|mask_embedding)).*$"]
+
+    @staticmethod
+    def is_drafter_specific(name: str) -> bool:
+        """Whether a state-dict key belongs to the drafter itself (mask embedding, block adapters), not to the
+        layers it shares with its target."""
+        return "mask_embedding" in name or ".lora_A" in name or ".lora_B" in name
+
+    def drafter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The drafter-specific part of `state_dict()` (what a `shares_target_weights` checkpoint stores)."""
+        return {k: v for k, v in self.state_dict().items() if self.is_drafter_specific(k)}
+
+    def add_block_adapter(self, rank: int, alpha: float = 16.0, modules: list[str] | None = None) -> None:
+        """Adds fresh block adapters (see `D3DLinear`) to every decoder layer and records them in the config.
+
+        Raises:
+            ValueError: if `rank < 1` or the drafter already has adapters.
+        """
+        if rank < 1:
+            raise ValueError(f"`rank` must be >= 1, got {rank}.")
+        if self.config.block_lora_rank > 0:
+            raise ValueError(f"The drafter already has block adapters of rank {self.config.block_lora_rank}.")
+        modules = list(modules or self.config.block_lora_modules)
+        self.config.block_lora_rank, self.config.block_lora_alpha = int(rank), float(alpha)
+        self.config.block_lora_modules = modules
+        for layer in self.model.layers:
+            for name in modules:
+                parent = layer.self_attn if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp
+                getattr(parent, name).add_adapter(rank, alpha)
+
+    def attach_target_weights(self, target: PreTrainedModel) -> None:
+        """Makes the drafter use the target's own tensors for everything but its drafter-specific weights.
+
+        For `shares_target_weights` drafters: embeddings, the decoder layers `config.source_layer_ids`, the final
+        norm and the LM head become references to the target's parameters (no copy, no extra memory), on the
+        target's device and dtype. Called automatically by `target.generate(..., assistant_model=drafter)`.
+
+        Raises:
+            ValueError: if the target's shapes do not match the drafter's (a different model).
+        """
+        source = target.state_dict(keep_vars=True)
+        layer_ids = self.config.source_layer_ids or list(range(self.config.num_hidden_layers))
+        lm_head = target.get_output_embeddings().weight
+        own = dict(self.named_parameters(remove_duplicate=False))
+        for name in own:
+            if self.is_drafter_specific(name):
+                continue
+            if name.startswith("model.layers."):
+                idx, rest = name[len("model.layers.") :].split(".", 1)
+                src_name = f"model.layers.{layer_ids[int(idx)]}.{rest}"
+            elif name == "lm_head.weight":
+                src_name = None
+            else:
+                src_name = name
+            tensor = lm_head if src_name is None else source.get(src_name)
+            if tensor is None or tensor.shape != own[name].shape:
+                raise ValueError(
+                    f"Cannot attach {type(target).__name__} weights to this drafter: `{src_name or 'lm_head.weight'}` "
+                    f"is {'missing' if tensor is None else tuple(tensor.shape)}, the drafter expects "
+                    f"{tuple(own[name].shape)}. Pass the target the drafter was made for "
+                    f"({self.config.target_model})."
+                )
+            module_name, _, param_name = name.rpartition(".")
+            module = self.get_submodule(module_name)
+            module._parameters[param_name] = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor)
+        ref = lm_head
+        for name, param in self.named_parameters():
+            if self.is_drafter_specific(name):
+                param.data = param.data.to(device=ref.device)
+        self.model.rotary_emb.to(ref.device)
+        self._attached_target = target
+
+    def _check_weights_attached(self) -> None:
+        if self.config.shares_target_weights and self._attached_target is None:
+            raise RuntimeError(
+                "This drafter shares its layers with its target (`shares_target_weights=True`) and they are not "
+                f"attached yet: call `drafter.attach_target_weights(target)` with {self.config.target_model}, or "
+                "pass the drafter as `assistant_model` to `target.generate`, which attaches them."
+            )
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`; a `shares_target_weights` drafter stores only its own weights."""
+        if self.config.shares_target_weights and kwargs.get("state_dict") is None:
+            kwargs["state_dict"] = self.drafter_state_dict()
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -496,6 +654,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         use_cache: bool = False,
         output_hidden_states: bool = False,
         logits_to_keep: int = 0,
+        block_positions: torch.BoolTensor | None = None,
     ) -> D3DModelOutput:
         r"""
         Runs the drafter. Arguments as in `D3DModel.forward`, plus:
@@ -506,7 +665,11 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
 
         Returns:
             `D3DModelOutput` with `logits` of shape `(batch_size, num_kept, vocab_size)` in the model dtype.
+
+        Raises:
+            RuntimeError: for a `shares_target_weights` drafter whose target weights are not attached.
         """
+        self._check_weights_attached()
         outputs = self.model(
             input_ids=input_ids,
             masked_positions=masked_positions,
@@ -516,6 +679,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
+            block_positions=block_positions,
         )
         hidden_states = outputs.last_hidden_state
         if logits_to_keep:
@@ -568,9 +732,12 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         cache.crop(past_len + num_committed)
         return outputs.logits
 
-    def build_candidate_generator(self, **kwargs) -> D3DCandidateGenerator:
+    def build_candidate_generator(self, target=None, **kwargs) -> D3DCandidateGenerator:
         """Called by the patched `GenerationMixin._get_candidate_generator` of the target (see
-        `generation_d3d.install_generation_hook`): returns the `D3DCandidateGenerator` for one `generate` call."""
+        `generation_d3d.install_generation_hook`): returns the `D3DCandidateGenerator` for one `generate` call
+        (attaching the target's weights first for a `shares_target_weights` drafter)."""
+        if self.config.shares_target_weights and target is not None and self._attached_target is not target:
+            self.attach_target_weights(target)
         return D3DCandidateGenerator(drafter=self, **kwargs)
 
     @classmethod
@@ -583,7 +750,10 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         mask_token_id: int | None = None,
         source_model: str | None = None,
         target_model: str | None = None,
-    ) -> "D3DForDiffusionDrafting":
+        block_lora_rank: int = 0,
+        block_lora_alpha: float = 16.0,
+        shares_target_weights: bool = False,
+    ) -> D3DForDiffusionDrafting:
         r"""
         Initialises a drafter from an autoregressive causal LM of the same tokenizer (Llama-, Mistral- or
         Qwen3-style layers) by copying the chosen decoder layers, the final norm, the embeddings and the LM head
@@ -605,6 +775,11 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
                 initialised to the mean input embedding (a neutral "unknown token" vector).
             source_model, target_model (`str`, *optional*):
                 Names recorded in the config (default: the source's `name_or_path`).
+            block_lora_rank, block_lora_alpha:
+                Block adapters to create (see `D3DConfig`; rank 0 = none). Fresh adapters leave the output unchanged.
+            shares_target_weights (`bool`, defaults to `False`):
+                Reference `model`'s tensors instead of copying them, and save only drafter-specific weights (the
+                source must then be the target the drafter is used with).
 
         Returns:
             `D3DForDiffusionDrafting` in the source model's dtype and on its device, in eval mode.
@@ -658,6 +833,9 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
             source_model=source_model or getattr(model, "name_or_path", None) or None,
             source_layer_ids=layer_ids,
             target_model=target_model or source_model or getattr(model, "name_or_path", None) or None,
+            block_lora_rank=block_lora_rank,
+            block_lora_alpha=block_lora_alpha,
+            shares_target_weights=shares_target_weights,
             bos_token_id=getattr(src_cfg, "bos_token_id", None),
             eos_token_id=getattr(src_cfg, "eos_token_id", None),
             pad_token_id=getattr(src_cfg, "pad_token_id", None),
@@ -665,29 +843,33 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         ref = backbone.embed_tokens.weight
         drafter = cls(config).to(device=ref.device, dtype=ref.dtype)
 
-        src_state = model.state_dict()
-        new_state = {}
-        for dst_idx, src_idx in enumerate(layer_ids):
-            prefix = f"model.layers.{src_idx}."
-            for key, value in src_state.items():
-                if key.startswith(prefix):
-                    new_state[f"model.layers.{dst_idx}.{key[len(prefix):]}"] = value
-        new_state["model.embed_tokens.weight"] = src_state["model.embed_tokens.weight"]
-        new_state["model.norm.weight"] = src_state["model.norm.weight"]
-        new_state["lm_head.weight"] = src_state.get("lm_head.weight", src_state["model.embed_tokens.weight"])
-        expected = {k for k in drafter.state_dict() if k != "model.mask_embedding"}
-        missing, unexpected = expected - set(new_state), set(new_state) - expected
-        if missing or unexpected:
-            raise ValueError(
-                f"{type(model).__name__} has layers of an unsupported layout: missing {sorted(missing)[:6]}, "
-                f"unexpected {sorted(unexpected)[:6]}. Supported: Llama-, Mistral- and Qwen3-style decoder layers."
-            )
-        drafter.load_state_dict(new_state, strict=False)
-        if config.tie_word_embeddings:
-            drafter.tie_weights()
+        if shares_target_weights:
+            drafter.attach_target_weights(model)
+        else:
+            src_state = model.state_dict()
+            new_state = {}
+            for dst_idx, src_idx in enumerate(layer_ids):
+                prefix = f"model.layers.{src_idx}."
+                for key, value in src_state.items():
+                    if key.startswith(prefix):
+                        new_state[f"model.layers.{dst_idx}.{key[len(prefix):]}"] = value
+            new_state["model.embed_tokens.weight"] = src_state["model.embed_tokens.weight"]
+            new_state["model.norm.weight"] = src_state["model.norm.weight"]
+            new_state["lm_head.weight"] = src_state.get("lm_head.weight", src_state["model.embed_tokens.weight"])
+            expected = {k for k in drafter.state_dict() if not drafter.is_drafter_specific(k)}
+            missing, unexpected = expected - set(new_state), set(new_state) - expected
+            if missing or unexpected:
+                raise ValueError(
+                    f"{type(model).__name__} has layers of an unsupported layout: missing {sorted(missing)[:6]}, "
+                    f"unexpected {sorted(unexpected)[:6]}. Supported: Llama-, Mistral- and Qwen3-style decoder "
+                    "layers."
+                )
+            drafter.load_state_dict(new_state, strict=False)
+            if config.tie_word_embeddings:
+                drafter.tie_weights()
         if drafter.model.mask_embedding is not None:
             with torch.no_grad():
-                drafter.model.mask_embedding.copy_(ref.float().mean(dim=0).to(ref.dtype))
+                drafter.model.mask_embedding.weight.copy_(ref.float().mean(dim=0).to(ref.dtype))
         return drafter.eval()
 
 

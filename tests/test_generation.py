@@ -6,7 +6,7 @@ from _tiny import FAMILIES, random_prompt, tiny_target
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
-from d3d_hf import D3DForDiffusionDrafting, remove_generation_hook, install_generation_hook
+from d3d_hf import D3DForDiffusionDrafting, install_generation_hook, remove_generation_hook
 
 
 def _pair(family="llama", num_layers=None, block_size=4, seed=0, sharpen=1.0, vocab_size=97):
@@ -123,7 +123,7 @@ def test_return_dict_in_generate_scores():
     out = _greedy(target, ids, drafter, return_dict_in_generate=True, output_scores=True, max_new_tokens=12)
     assert torch.equal(out.sequences, ref.sequences)
     assert len(out.scores) == len(ref.scores) == 12
-    for a, b in zip(out.scores, ref.scores):
+    for a, b in zip(out.scores, ref.scores, strict=True):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 

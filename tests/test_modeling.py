@@ -3,9 +3,9 @@
 import pytest
 import torch
 from _tiny import FAMILIES, random_prompt, tiny_target
+from d3d_hf.modeling.modeling_d3d import draft_attention_mask
 
 from d3d_hf import D3DCache, D3DConfig, D3DForDiffusionDrafting
-from d3d_hf.modeling.modeling_d3d import draft_attention_mask
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -85,11 +85,11 @@ def test_mask_positions_change_block_predictions_only():
     target = tiny_target("llama")
     drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
     with torch.no_grad():
-        drafter.model.mask_embedding.normal_()
+        drafter.model.mask_embedding.weight.normal_()
     ids = random_prompt(6)
     a = drafter.draft_logits(ids, D3DCache())
     with torch.no_grad():
-        drafter.model.mask_embedding.normal_()
+        drafter.model.mask_embedding.weight.normal_()
     b = drafter.draft_logits(ids, D3DCache())
     torch.testing.assert_close(a[:, 0], b[:, 0])
     assert not torch.allclose(a[:, 1:], b[:, 1:])

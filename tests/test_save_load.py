@@ -19,7 +19,7 @@ def drafter():
     torch.manual_seed(0)
     d = D3DForDiffusionDrafting.from_autoregressive(tiny_target("qwen3"), layer_ids=[0, 2], block_size=4)
     with torch.no_grad():
-        d.model.mask_embedding.normal_()
+        d.model.mask_embedding.weight.normal_()
     return d
 
 

@@ -15,8 +15,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -71,7 +72,7 @@ def summarize(runs: Sequence[PromptRun], reference: Sequence[PromptRun]) -> dict
     """
     if not runs or len(runs) != len(reference):
         raise ValueError(f"Need one reference run per run, got {len(runs)} runs and {len(reference)} references.")
-    if any(r.prompt_id != ref.prompt_id for r, ref in zip(runs, reference)):
+    if any(r.prompt_id != ref.prompt_id for r, ref in zip(runs, reference, strict=True)):
         raise ValueError("Runs and reference runs must cover the same prompts in the same order.")
     tokens = sum(r.new_tokens for r in runs)
     seconds = sum(r.seconds for r in runs)
@@ -79,7 +80,9 @@ def summarize(runs: Sequence[PromptRun], reference: Sequence[PromptRun]) -> dict
     ref_tps = sum(r.new_tokens for r in reference) / max(sum(r.seconds for r in reference), 1e-12)
     tps = tokens / max(seconds, 1e-12)
     per_prompt_speedup = [
-        r.tokens_per_second / ref.tokens_per_second for r, ref in zip(runs, reference) if ref.tokens_per_second > 0
+        r.tokens_per_second / ref.tokens_per_second
+        for r, ref in zip(runs, reference, strict=True)
+        if ref.tokens_per_second > 0
     ]
     return {
         "prompts": len(runs),
@@ -153,7 +156,7 @@ def run_benchmark(
         for m in methods:
             _generate(target, encoded[0], min(8, max_new_tokens), assistants[m])
 
-    for prompt, input_ids in tqdm(list(zip(prompts, encoded)), desc="bench", disable=not progress):
+    for prompt, input_ids in tqdm(list(zip(prompts, encoded, strict=True)), desc="bench", disable=not progress):
         reference_ids = None
         per_method = {}
         for m in methods:
@@ -205,8 +208,11 @@ def environment_info() -> dict[str, Any]:
 
 def format_table(summary: dict[str, dict[str, Any]]) -> str:
     """Markdown table of per-method summaries."""
-    header = "| method | tokens/s | speed-up (aggregate) | speed-up (median) | tau | lossless match | draft ms | verify ms |"
-    lines = [header, "|" + "---|" * 8]
+    lines = [
+        "| method | tokens/s | speed-up (aggregate) | speed-up (median) | tau | lossless match "
+        "| draft ms/round | verify ms/round |",
+        "|" + "---|" * 8,
+    ]
     for method, s in summary.items():
         lines.append(
             f"| {method} | {s['tokens_per_second']:.1f} | {s['speedup']:.2f}x | {s['median_speedup']:.2f}x | "
