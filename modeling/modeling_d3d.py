@@ -9,6 +9,7 @@ shape `(batch_size, 1, query_len, key_len)`; `key_len` counts the cached tokens 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -379,6 +380,73 @@ class D3DPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
+    card_data = None
+    """Model-card data (`d3d_hf.hub.DrafterCardData` or a `dict` of its fields) rendered into `README.md` by
+    `save_pretrained`; kept out of the config on purpose (measured numbers describe a run, not the model)."""
+
+    def save_pretrained(self, save_directory, *args, tokenizer=None, model_card: bool = True, **kwargs):
+        r"""
+        `PreTrainedModel.save_pretrained` (weights, `config.json` with `auto_map`, the remote-code bundle), plus the
+        tokenizer files and the model card.
+
+        Args:
+            save_directory (`str` or `os.PathLike`):
+                Folder to write (created if needed).
+            tokenizer (`PreTrainedTokenizerBase`, *optional*):
+                Saved into the same folder, so that the folder (and a Hub repository pushed from it) is complete.
+            model_card (`bool`, defaults to `True`):
+                Write `README.md` rendered from `self.card_data` and the config, and that data as
+                `d3d_card_data.json` (needs the `d3d_hf` package; skipped without it). A `README.md` that d3d-hf did
+                not generate is kept (see `d3d_hf.hub.write_model_card`).
+            push_to_hub (`bool`, defaults to `False`):
+                After saving, upload with `self.push_to_hub` (`repo_id`, `commit_message`, `commit_description`,
+                `private`, `create_pr`, `revision`, `tags` and `token` are passed on), so that the uploaded card is
+                this drafter's card rather than transformers' generic one.
+            Other arguments are those of `PreTrainedModel.save_pretrained`.
+        """
+        push_kwargs = None
+        if kwargs.pop("push_to_hub", False):
+            hub_keys = ("repo_id", "commit_message", "commit_description", "private", "create_pr", "revision", "tags")
+            push_kwargs = {key: kwargs.pop(key) for key in hub_keys if key in kwargs}
+            push_kwargs["token"] = kwargs.get("token")
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        if not kwargs.get("is_main_process", args[0] if args else True):
+            return result
+        if tokenizer is not None:
+            tokenizer.save_pretrained(save_directory)
+        if model_card:
+            try:
+                from d3d_hf.hub import write_model_card
+            except ImportError:  # only torch + transformers installed: no card renderer
+                write_model_card = None
+            if write_model_card is not None:
+                write_model_card(self, save_directory)
+        if push_kwargs is not None:
+            repo_id = push_kwargs.pop("repo_id", os.path.basename(os.path.normpath(save_directory)))
+            self.push_to_hub(repo_id, tokenizer=tokenizer, **push_kwargs)
+        return result
+
+    def push_to_hub(self, repo_id: str, *, tokenizer=None, **kwargs):
+        r"""
+        Uploads the folder `save_pretrained` writes (model card included) to the Hub.
+
+        With `d3d_hf` installed this is `d3d_hf.hub.push_drafter` (keyword arguments of transformers' `push_to_hub`,
+        plus `tokenizer` and `overwrite_card`); with only torch + transformers it is transformers' `push_to_hub`
+        (generic card), followed by `tokenizer.push_to_hub` when a tokenizer is given.
+
+        Returns:
+            `huggingface_hub.CommitInfo` of the model upload.
+        """
+        try:
+            from d3d_hf.hub import push_drafter
+        except ImportError:  # only torch + transformers installed
+            push_drafter = None
+        if push_drafter is not None:
+            return push_drafter(self, repo_id, tokenizer=tokenizer, **kwargs)
+        result = super().push_to_hub(repo_id, **kwargs)
+        if tokenizer is not None:
+            tokenizer.push_to_hub(repo_id, token=kwargs.get("token"), revision=kwargs.get("revision"))
+        return result
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -627,8 +695,9 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`; a `shares_target_weights` drafter stores only its own weights."""
-        if self.config.shares_target_weights and kwargs.get("state_dict") is None:
-            kwargs["state_dict"] = self.drafter_state_dict()
+        if self.config.shares_target_weights:
+            state_dict = kwargs.get("state_dict") or self.state_dict()
+            kwargs["state_dict"] = {k: v for k, v in state_dict.items() if self.is_drafter_specific(k)}
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     def get_input_embeddings(self) -> nn.Embedding:

@@ -1,0 +1,205 @@
+"""D3D trainer: objective against a direct computation, attention mask, logging, trainable parameters, resume,
+adapter save/load."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _tiny import random_prompt, tiny_target
+from d3d_hf.modeling.modeling_d3d import draft_attention_mask
+from datasets import Dataset
+
+from d3d_hf import D3DForDiffusionDrafting
+from d3d_hf.training import (
+    D3DDataCollator,
+    D3DTrainer,
+    D3DTrainingConfig,
+    block_diffusion_attention_mask,
+    d3d_losses,
+)
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama", seed=4)
+
+
+@pytest.fixture(scope="module")
+def dataset(target):
+    rows = []
+    for i in range(12):
+        prompt = random_prompt(4 + i % 3, seed=i)
+        out = target.generate(prompt, max_new_tokens=10 + i, do_sample=False, eos_token_id=None, pad_token_id=0)
+        rows.append({"prompt_ids": prompt[0].tolist(), "response_ids": out[0, prompt.shape[1]:].tolist()})
+    rows.append({"prompt_ids": [5, 6, 7], "response_ids": []})  # empty response: no block, no AR token
+    return Dataset.from_list(rows)
+
+
+def _drafter(target, **kwargs):
+    torch.manual_seed(0)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=BLOCK, **kwargs)
+    with torch.no_grad():
+        drafter.model.mask_embedding.weight.normal_()
+    return drafter
+
+
+def test_block_diffusion_mask_position_by_position():
+    anchors = torch.tensor([[1, 3], [2, -1]])
+    clean = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
+    mask = block_diffusion_attention_mask(anchors, clean, BLOCK)[:, 0]
+    span, length = BLOCK - 1, 6
+    assert mask.shape == (2, 2 * span, length + 2 * span)
+    for b in range(2):
+        for k in range(2):
+            for j in range(span):
+                row = mask[b, k * span + j]
+                for t in range(length):
+                    assert row[t] == (t <= anchors[b, k] and clean[b, t] == 1), (b, k, j, t)
+                for k2 in range(2):
+                    for j2 in range(span):
+                        assert row[length + k2 * span + j2] == (k2 == k)
+
+
+@pytest.mark.parametrize("mask_ratio", [(1.0, 1.0), (0.3, 0.7)])
+def test_losses_match_a_direct_computation(target, dataset, mask_ratio):
+    drafter = _drafter(target)
+    torch.manual_seed(3)
+    collator = D3DDataCollator(BLOCK, anchors_per_sequence=3, mask_ratio=mask_ratio, max_length=64)
+    batch = collator([dataset[i] for i in (0, 5, 12)])
+    gamma = 2.0
+    with torch.no_grad():
+        got = d3d_losses(drafter, batch, block_size=BLOCK, gamma=gamma)
+
+    # direct: one sequence and one block at a time, through the inference attention mask
+    block_num = block_den = 0.0
+    ar_terms = []
+    for b in range(batch["input_ids"].shape[0]):
+        n = int(batch["attention_mask"][b].sum())
+        x = batch["input_ids"][b, :n]
+        start = int(batch["response_start"][b])
+        if n > 1:
+            with torch.no_grad():
+                logits = drafter(x[None]).logits[0]
+            for t in range(max(start - 1, 0), n - 1):
+                ar_terms.append(F.cross_entropy(logits[t], x[t + 1]))
+        for k, a in enumerate(batch["anchors"][b].tolist()):
+            if a < 0:
+                continue
+            masked = batch["block_masked"][b, k].clone()
+            block_tokens = []
+            for j in range(1, BLOCK):
+                if a + j >= n:
+                    masked[j - 1] = True
+                block_tokens.append(0 if masked[j - 1] else int(x[a + j]))
+            ids = torch.cat([x[: a + 1], torch.tensor(block_tokens)])[None]
+            mpos = torch.zeros_like(ids, dtype=torch.bool)
+            mpos[0, a + 1 :] = masked
+            bpos = torch.zeros_like(mpos)
+            bpos[0, a + 1 :] = True
+            attn = draft_attention_mask(a + 1, BLOCK - 1, 0)
+            with torch.no_grad():
+                logits = drafter(ids, masked_positions=mpos, block_positions=bpos, attention_mask=attn).logits[0]
+            for j in range(1, BLOCK):
+                next_masked = j == BLOCK - 1 or bool(masked[j])
+                if a + j + 1 < n and next_masked:
+                    w = torch.exp(torch.tensor(-j / gamma))
+                    block_num += w * F.cross_entropy(logits[a + j], x[a + j + 1])
+                    block_den += w
+    torch.testing.assert_close(got["block_loss"], block_num / block_den, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got["ar_loss"], torch.stack(ar_terms).mean(), rtol=1e-4, atol=1e-5)
+    assert int(got["ar_tokens"]) == len(ar_terms)
+
+
+def test_degenerate_batches_give_finite_zero_losses(target):
+    drafter = _drafter(target)
+    collator = D3DDataCollator(BLOCK, anchors_per_sequence=2, max_length=64)
+    batch = collator([{"prompt_ids": [3], "response_ids": []}, {"prompt_ids": [], "response_ids": [4]}])
+    losses = d3d_losses(drafter, batch, block_size=BLOCK, gamma=7.0)
+    assert torch.isfinite(losses["block_loss"]) and float(losses["block_loss"]) == 0.0
+    assert int(losses["block_tokens"]) == 0
+
+
+def _config(tmp_path, **kwargs):
+    defaults = dict(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, learning_rate=5e-3,
+                    logging_steps=1, save_strategy="no", use_cpu=True, seed=7, anchors_per_sequence=3,
+                    block_lora_rank=4, disable_tqdm=True)
+    defaults.update(kwargs)
+    return D3DTrainingConfig(**defaults)
+
+
+@pytest.mark.parametrize("mode", ["block_adapter", "full", "peft"])
+def test_loss_logged_and_every_trainable_parameter_changes(target, dataset, tmp_path, mode):
+    drafter = _drafter(target)
+    trainer = D3DTrainer(drafter, _config(tmp_path, train_mode=mode), train_dataset=dataset)
+    trainable = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert logged and all(k in logged[0] for k in ("block_loss", "ar_loss"))
+    after = dict(trainer.model.named_parameters())
+    unchanged = [n for n, p in trainable.items() if torch.equal(p, after[n].detach())]
+    assert not unchanged, unchanged
+    if mode == "block_adapter":
+        assert all(drafter.is_drafter_specific(n) for n in trainable)
+        # the committed-context path is untouched: the first draft token is still the target's
+        ids = random_prompt(7, seed=40)
+        from d3d_hf import D3DCache
+
+        with torch.no_grad():
+            torch.testing.assert_close(drafter.draft_logits(ids, D3DCache())[:, 0], target(ids).logits[:, -1])
+
+
+def test_bad_config_raises(tmp_path):
+    with pytest.raises(ValueError, match="train_mode"):
+        _config(tmp_path, train_mode="everything")
+    with pytest.raises(ValueError, match="mask_ratio"):
+        _config(tmp_path, mask_ratio_min=0.0)
+
+
+def test_resume_gives_the_same_state(target, dataset, tmp_path):
+    full = D3DTrainer(_drafter(target), _config(tmp_path / "a", max_steps=4), train_dataset=dataset)
+    full.train()
+    first = D3DTrainer(_drafter(target), _config(tmp_path / "b", max_steps=4, save_strategy="steps", save_steps=2),
+                       train_dataset=dataset)
+    first.train()
+    resumed = D3DTrainer(_drafter(target), _config(tmp_path / "b", max_steps=4), train_dataset=dataset)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
+    want = dict(full.model.named_parameters())
+    for name, param in resumed.model.named_parameters():
+        torch.testing.assert_close(param, want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_block_adapter_drafter_saves_only_its_own_weights(target, dataset, tmp_path):
+    drafter = _drafter(target, shares_target_weights=True)
+    D3DTrainer(drafter, _config(tmp_path, max_steps=2), train_dataset=dataset).train()
+    drafter.save_pretrained(tmp_path / "out")
+    from transformers import AutoModel
+
+    loaded = AutoModel.from_pretrained(tmp_path / "out")
+    loaded.attach_target_weights(target)
+    ids = random_prompt(6, seed=50)
+    from d3d_hf import D3DCache
+
+    assert torch.equal(loaded.draft_logits(ids, D3DCache()), drafter.draft_logits(ids, D3DCache()))
+    size = (tmp_path / "out" / "model.safetensors").stat().st_size
+    assert size < 0.2 * sum(p.numel() * 4 for p in target.parameters())
+
+
+def test_peft_adapter_round_trip(target, dataset, tmp_path):
+    from peft import PeftModel
+
+    drafter = _drafter(target)
+    trainer = D3DTrainer(drafter, _config(tmp_path, train_mode="peft", max_steps=2), train_dataset=dataset)
+    trainer.train()
+    trainer.model.save_pretrained(tmp_path / "adapter")
+    ids = random_prompt(6, seed=60)
+    from d3d_hf import D3DCache
+
+    want = trainer.model.base_model.model.draft_logits(ids, D3DCache())
+    reloaded = PeftModel.from_pretrained(_drafter(target), tmp_path / "adapter")
+    got = reloaded.base_model.model.draft_logits(ids, D3DCache())
+    torch.testing.assert_close(got, want)
+    # the fully trained mask embedding travelled with the adapter
+    assert not torch.equal(reloaded.base_model.model.model.mask_token_embedding(),
+                           _drafter(target).model.mask_token_embedding())
