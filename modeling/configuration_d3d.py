@@ -5,7 +5,6 @@ Part of the self-contained remote-code bundle: imports only the public transform
 
 from transformers import PretrainedConfig
 
-
 DEFAULT_BLOCK_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

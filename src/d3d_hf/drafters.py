@@ -11,6 +11,24 @@ from transformers import AutoConfig, AutoModel
 from .modeling import D3DConfig, D3DForDiffusionDrafting
 from .targets import parse_dtype
 
+PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained"
+#: Drafters shipped inside the package, by name.
+KNOWN_DRAFTERS = {"d3d-smollm2-135m-instruct": PRETRAINED_DIR / "d3d-smollm2-135m-instruct"}
+
+
+def resolve_drafter(name_or_path: str) -> str:
+    """Maps a shipped drafter's name (`KNOWN_DRAFTERS`) to its folder; returns anything else unchanged.
+
+    Raises:
+        FileNotFoundError: if a known name's folder is missing from this installation.
+    """
+    if name_or_path in KNOWN_DRAFTERS:
+        folder = KNOWN_DRAFTERS[name_or_path]
+        if not (folder / "config.json").exists():
+            raise FileNotFoundError(f"The shipped drafter {name_or_path!r} is missing from {folder}; reinstall d3d-hf.")
+        return str(folder)
+    return name_or_path
+
 
 def ensure_writable_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
     """Returns `path` as a `Path` after checking it may be written.
@@ -34,7 +52,10 @@ def load_drafter(
     """Loads a saved D3D drafter.
 
     Args:
-        name_or_path (`str`): a folder written by `save_pretrained` (or `d3d-hf init-drafter`) or a hub id.
+        name_or_path (`str`): a shipped drafter's name (`KNOWN_DRAFTERS`, e.g. `d3d-smollm2-135m-instruct`), a
+            folder written by `save_pretrained` (or `d3d-hf init-drafter`, `d3d-hf train`) or a hub id. A drafter
+            that shares its target's weights is returned unattached: `target.generate(...,
+            assistant_model=drafter)` attaches them.
         dtype (`torch.dtype` or `str`, defaults to `torch.float32`): weight dtype.
         device (`str`, defaults to `"cpu"`): device to load to.
 
@@ -45,6 +66,7 @@ def load_drafter(
         FileNotFoundError: if a local-looking path does not exist.
         ValueError: if the checkpoint is not a D3D drafter.
     """
+    name_or_path = resolve_drafter(name_or_path)
     looks_local = os.path.sep in name_or_path or name_or_path.startswith(".") or os.path.exists(name_or_path)
     if looks_local and not os.path.isdir(name_or_path):
         raise FileNotFoundError(
@@ -60,4 +82,4 @@ def load_drafter(
     return drafter.to(device).eval()
 
 
-__all__ = ["D3DForDiffusionDrafting", "ensure_writable_dir", "load_drafter"]
+__all__ = ["KNOWN_DRAFTERS", "D3DForDiffusionDrafting", "ensure_writable_dir", "load_drafter", "resolve_drafter"]

@@ -373,7 +373,12 @@ class D3DTrainer(Trainer):
             if model.config.block_lora_rank == 0:
                 model.add_block_adapter(args.block_lora_rank, args.block_lora_alpha)
             for name, param in model.named_parameters():
-                param.requires_grad_(model.is_drafter_specific(name))
+                trainable = model.is_drafter_specific(name)
+                param.requires_grad_(trainable)
+                if trainable and param.dtype != torch.float32:
+                    # trainable weights stay float32 (optimizer master weights) whatever the target's dtype;
+                    # D3DLinear and the mask embedding cast them to the activation dtype in forward
+                    param.data = param.data.float()
             # the committed-context path uses only frozen weights (the mask embedding acts only on masks)
             self.clean_requires_grad = False
         elif args.train_mode == "full":

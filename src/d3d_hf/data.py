@@ -1,0 +1,792 @@
+"""Target-distilled training data for D3D drafters: real prompts answered by the target itself.
+
+A D3D drafter learns the distribution of the target it drafts for (self-distillation, DESIGN.md section 3), so
+every training example is a prompt plus the *target's own* response to it: greedy when ``temperature == 0``,
+otherwise sampled at that temperature. Evaluation prompts (HumanEval) are never used for training.
+
+Prompt sources (see :func:`load_prompt_sources`):
+
+* ``stdlib[:N]``: :func:`stdlib_prompts`, instructions derived from the documented functions and classes of the
+  Python standard library installed with the interpreter (Python Software Foundation License Version 2);
+* a JSONL file in the format of :func:`d3d_hf.prompts.load_prompts`, optionally ``path:N`` for its first N prompts;
+* ``humaneval`` (and any prompt whose id starts with ``HumanEval/``) is refused: it is an evaluation set.
+
+:func:`generate_dataset` writes, under its ``output_dir``::
+
+    generation_settings.json    target, dtype, decoding settings, prompt sources and counts, library versions,
+                                and one entry per run (batch size, how many prompts were generated)
+    shards/shard-00000.jsonl    one JSON line per prompt, one file per batch, each written atomically, so a
+    shards/shard-00001.jsonl    killed run resumes where it stopped (prompts whose id is in a shard are skipped)
+    ...
+    dataset/                    ``datasets.Dataset.save_to_disk`` of all requested prompts, written at the end;
+                                load it with ``datasets.load_from_disk(output_dir / "dataset")``
+
+Each row holds ``id`` (str), ``messages`` (the prompt's chat messages), ``prompt_ids`` (list of int: the
+chat-templated prompt as :func:`d3d_hf.prompts.encode_prompt` gives it), ``response_ids`` (list of int: the
+generated ids up to and including the end-of-sequence token when one was emitted, no padding) and ``response``
+(the decoded response, special tokens skipped).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.metadata
+import inspect
+import json
+import os
+import platform
+import random
+import shutil
+import sysconfig
+import textwrap
+import time
+import warnings
+import zlib
+from collections import Counter
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from .prompts import Prompt, encode_prompt, load_prompts
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prompts from the Python standard library
+
+STDLIB_KINDS: tuple[str, ...] = ("implement", "explain", "docstring", "type_hints", "class")
+"""The instruction kinds :func:`stdlib_prompts` derives, in the order they are interleaved:
+
+* ``implement``: "Write a Python function `name(signature)` that matches this description: <docstring summary>"
+  (for methods: "Write the method `name(self, ...)` of a Python class `Class` ...");
+* ``explain``: "Explain what this Python code does" + the function's source without its docstring;
+* ``docstring``: "Write a docstring for this Python function" + the source without its docstring;
+* ``type_hints``: "Add type hints to this Python function" + the source without its docstring (only for
+  functions that have no annotations);
+* ``class``: "Write a Python class `Name` that matches this description: <docstring summary>", listing up to
+  eight of its public methods.
+"""
+
+STDLIB_LICENSE = "Python Software Foundation License Version 2 (PSF-2.0)"
+"""Licence of the Python standard library sources that :func:`stdlib_prompts` quotes."""
+
+MAX_SOURCE_CHARS = 1500
+"""Longest function source (docstring removed, dedented) quoted by the ``explain``/``docstring``/``type_hints``
+kinds."""
+
+_SUMMARY_CHARS = (20, 600)
+_MAX_CLASS_METHODS = 8
+
+# Folders (any path component) and top-level modules of the stdlib that are not walked: tests, GUI/demo code,
+# installed third-party packages, build configuration, deprecated or generated modules.
+_SKIP_DIRS = frozenset(
+    {
+        "__pycache__",
+        "__phello__",
+        "dist-packages",
+        "distutils",
+        "encodings",
+        "ensurepip",
+        "idlelib",
+        "lib-dynload",
+        "lib2to3",
+        "msilib",
+        "pydoc_data",
+        "site-packages",
+        "test",
+        "tests",
+        "tkinter",
+        "turtledemo",
+        "venv",
+    }
+)
+_SKIP_MODULES = frozenset({"antigravity", "this", "__hello__", "__future__", "setup"})
+
+_IMPLEMENT = "Write a Python function `{signature}` that matches this description:\n\n{summary}"
+_IMPLEMENT_METHOD = (
+    "Write the method `{signature}` of a Python class `{cls}` that matches this description:\n\n{summary}"
+)
+_EXPLAIN = "Explain what this Python code does:\n\n```python\n{source}\n```"
+_DOCSTRING = "Write a docstring for this Python function:\n\n```python\n{source}\n```"
+_TYPE_HINTS = "Add type hints to this Python function and show the annotated code:\n\n```python\n{source}\n```"
+_CLASS = "Write a Python class `{name}` that matches this description:\n\n{summary}"
+
+
+def stdlib_source_info() -> dict:
+    """Where :func:`stdlib_prompts` reads from: Python version, stdlib folder and licence.
+
+    Returns:
+        ``{"python_version": "3.11.7", "stdlib_path": "...", "license": "..."}``.
+    """
+    return {
+        "python_version": platform.python_version(),
+        "stdlib_path": sysconfig.get_paths()["stdlib"],
+        "license": STDLIB_LICENSE,
+    }
+
+
+def _summary(doc: str) -> str | None:
+    """First paragraph of a docstring, on one line; ``None`` when it is too short, too long or a doctest."""
+    paragraph = inspect.cleandoc(doc).split("\n\n", 1)[0]
+    text = " ".join(paragraph.split())
+    if not (_SUMMARY_CHARS[0] <= len(text) <= _SUMMARY_CHARS[1]) or ">>>" in text:
+        return None
+    return text
+
+
+def _source_without_docstring(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
+    """The dedented source of a function (from its ``def`` line) with its docstring lines removed.
+
+    ``None`` when the docstring shares a line with other code, or nothing but ``pass``/``...``/a ``raise`` is left.
+    """
+    doc = node.body[0]
+    if doc.lineno <= node.lineno or len(node.body) < 2:
+        return None
+    rest = node.body[1:]
+    if len(rest) == 1 and isinstance(rest[0], (ast.Pass, ast.Raise)):
+        return None
+    if len(rest) == 1 and isinstance(rest[0], ast.Expr) and isinstance(rest[0].value, ast.Constant):
+        return None
+    head = lines[node.lineno - 1 : doc.lineno - 1]
+    tail = lines[doc.end_lineno : node.end_lineno]
+    return textwrap.dedent("\n".join(head + tail)).strip("\n")
+
+
+def _has_annotations(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    args = node.args
+    every = [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
+    return node.returns is not None or any(a is not None and a.annotation is not None for a in every)
+
+
+def _function_candidates(
+    module: str, lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef, cls: str | None
+) -> list[tuple[str, str, str]]:
+    doc = ast.get_docstring(node, clean=False)
+    if not doc:
+        return []
+    qualname = node.name if cls is None else f"{cls}.{node.name}"
+    base = f"stdlib/{module}.{qualname}"
+    out = []
+    signature = f"{node.name}({ast.unparse(node.args)})"
+    if node.returns is not None:
+        signature += f" -> {ast.unparse(node.returns)}"
+    summary = _summary(doc)
+    if summary is not None:
+        if cls is None:
+            text = _IMPLEMENT.format(signature=signature, summary=summary)
+        else:
+            text = _IMPLEMENT_METHOD.format(signature=signature, cls=cls, summary=summary)
+        out.append(("implement", f"{base}/implement", text))
+    source = _source_without_docstring(lines, node)
+    if source is not None and len(source) <= MAX_SOURCE_CHARS:
+        out.append(("explain", f"{base}/explain", _EXPLAIN.format(source=source)))
+        out.append(("docstring", f"{base}/docstring", _DOCSTRING.format(source=source)))
+        if not _has_annotations(node):
+            out.append(("type_hints", f"{base}/type_hints", _TYPE_HINTS.format(source=source)))
+    return out
+
+
+def _class_candidates(module: str, lines: list[str], node: ast.ClassDef) -> list[tuple[str, str, str]]:
+    out = []
+    methods = []
+    for child in node.body:
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) and not child.name.startswith("_"):
+            methods.append(child.name)
+            out.extend(_function_candidates(module, lines, child, node.name))
+    doc = ast.get_docstring(node, clean=False)
+    summary = _summary(doc) if doc else None
+    if summary is not None:
+        text = _CLASS.format(name=node.name, summary=summary)
+        if methods:
+            shown = ", ".join(f"`{m}`" for m in methods[:_MAX_CLASS_METHODS])
+            text += f"\n\nGive it the public methods {shown}."
+        out.append(("class", f"stdlib/{module}.{node.name}/class", text))
+    return out
+
+
+def _module_candidates(module: str, text: str) -> list[tuple[str, str, str]]:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SyntaxWarning for old escape sequences in a few modules
+            tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    lines = text.splitlines()
+    out = []
+    for node in tree.body:
+        if getattr(node, "name", "_").startswith("_"):
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out.extend(_function_candidates(module, lines, node, None))
+        elif isinstance(node, ast.ClassDef):
+            out.extend(_class_candidates(module, lines, node))
+    return out
+
+
+@lru_cache(maxsize=4)
+def _stdlib_candidates(stdlib_dir: str) -> tuple[tuple[str, str, str], ...]:
+    """Every ``(kind, id, user message)`` derivable from the stdlib at ``stdlib_dir``, in sorted walk order."""
+    root = Path(stdlib_dir)
+    candidates: dict[str, tuple[str, str, str]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(("config-", ".")))
+        rel = Path(dirpath).relative_to(root)
+        if rel.parts and not all(p.isidentifier() for p in rel.parts):
+            continue
+        for filename in sorted(filenames):
+            if not filename.endswith(".py"):
+                continue
+            stem = filename[:-3]
+            parts = [*rel.parts] + ([] if stem == "__init__" else [stem])
+            if not parts or parts[0] in _SKIP_MODULES or any(p.startswith(("_", "test")) for p in parts):
+                continue
+            try:
+                text = (Path(dirpath) / filename).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            for kind, pid, content in _module_candidates(".".join(parts), text):
+                candidates.setdefault(pid, (kind, pid, content))
+    return tuple(candidates.values())
+
+
+def stdlib_prompts(limit: int | None = None, seed: int = 0) -> list[Prompt]:
+    """Training prompts derived from the Python standard library installed with the running interpreter.
+
+    Source and licence: the ``.py`` files under ``sysconfig.get_paths()["stdlib"]`` (recorded with the Python
+    version by :func:`stdlib_source_info`), which are distributed under the Python Software Foundation License
+    Version 2. The files are parsed with :mod:`ast` (never imported). Walked in sorted order, skipping tests
+    (``test``/``tests`` folders, ``test*`` modules), private modules (``_*``), GUI and demo code (``idlelib``,
+    ``tkinter``, ``turtledemo``), installed packages (``site-packages``), build configuration and deprecated or
+    generated packages (``lib2to3``, ``distutils``, ``encodings``, ``ensurepip``, ``pydoc_data``, ...). Public
+    top-level functions, public methods of public top-level classes and public classes with a docstring give the
+    kinds in :data:`STDLIB_KINDS`. The set is disjoint from every evaluation set (it never reads HumanEval).
+
+    Selection is deterministic given ``seed`` and the Python installation: the candidates of each kind are
+    shuffled with ``random.Random(seed)`` and the kinds are interleaved round-robin in :data:`STDLIB_KINDS` order
+    (a kind that runs out is dropped from the rotation), so any ``limit`` gives a balanced mix. On CPython 3.11
+    there are about 12,000 candidates; the first call parses ~600 files (a few seconds), later calls are cached.
+
+    Args:
+        limit: Number of prompts to return (positive), or ``None`` for all candidates.
+        seed: Seed of the shuffle.
+
+    Returns:
+        Prompts with one user turn each (no system message, so the chat template adds its default) and
+        ``raw=None``; ids are ``"stdlib/<module>.<qualname>/<kind>"``, e.g. ``"stdlib/json.dumps/explain"``.
+
+    Raises:
+        ValueError: ``limit`` is not a positive integer or ``None``.
+        FileNotFoundError: The interpreter has no standard library sources (e.g. a zipped stdlib).
+    """
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be a positive integer or None, got {limit!r}.")
+    stdlib_dir = sysconfig.get_paths()["stdlib"]
+    if not Path(stdlib_dir, "os.py").is_file():
+        raise FileNotFoundError(
+            f"No Python standard library sources at {stdlib_dir} (os.py is missing): the 'stdlib' prompt source "
+            "needs an interpreter installed with its .py files."
+        )
+    by_kind: dict[str, list[tuple[str, str, str]]] = {kind: [] for kind in STDLIB_KINDS}
+    for candidate in _stdlib_candidates(stdlib_dir):
+        by_kind[candidate[0]].append(candidate)
+    rng = random.Random(seed)
+    queues = []
+    for kind in STDLIB_KINDS:
+        items = sorted(by_kind[kind], key=lambda c: c[1])
+        rng.shuffle(items)
+        queues.append(items)
+    chosen: list[tuple[str, str, str]] = []
+    total = sum(len(q) for q in queues)
+    wanted = total if limit is None else min(limit, total)
+    depth = 0
+    while len(chosen) < wanted:
+        for queue in queues:
+            if depth < len(queue) and len(chosen) < wanted:
+                chosen.append(queue[depth])
+        depth += 1
+    return [Prompt(id=pid, messages=[{"role": "user", "content": content}]) for _, pid, content in chosen]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prompt source specs
+
+EVALUATION_SETS = frozenset({"humaneval"})
+"""Prompt sets used for evaluation; :func:`load_prompt_sources` refuses them for training data."""
+
+_EVALUATION_ID_PREFIXES = ("HumanEval/",)
+
+
+def load_prompt_sources(spec: str, seed: int = 0) -> list[Prompt]:
+    """Load training prompts from a comma-separated list of sources.
+
+    Each item is ``stdlib`` or ``stdlib:N`` (:func:`stdlib_prompts` with ``limit=N``), or a JSONL file path,
+    optionally ``path:N`` for its first N prompts (:func:`d3d_hf.prompts.load_prompts`). Example:
+    ``"stdlib:600,data/extra.jsonl"``.
+
+    Args:
+        spec: The comma-separated sources.
+        seed: Seed passed to :func:`stdlib_prompts`.
+
+    Returns:
+        The prompts of all sources, in the order given.
+
+    Raises:
+        ValueError: An empty spec or item, a count that is not a positive integer, an evaluation set
+            (``humaneval``: evaluation prompts must never be trained on), a prompt whose id marks it as an
+            evaluation prompt (``HumanEval/...``), ids repeated across sources, or whatever
+            :func:`~d3d_hf.prompts.load_prompts` raises for a bad file.
+        FileNotFoundError: A file that does not exist.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"Expected prompt sources such as 'stdlib:600,path/to/file.jsonl', got {spec!r}.")
+    prompts: list[Prompt] = []
+    origin: dict[str, str] = {}
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            raise ValueError(f"Empty item in prompt sources {spec!r}: separate sources with single commas.")
+        source, limit = item, None
+        head, sep, tail = item.rpartition(":")
+        if sep and head and (tail.strip().lstrip("-").isdigit() or head.strip().lower() == "stdlib"):
+            if not tail.strip().isdigit() or int(tail) < 1:
+                raise ValueError(f"{item!r}: the count after ':' must be a positive integer.")
+            source, limit = head.strip(), int(tail)
+        name = source.lower()
+        if name in EVALUATION_SETS:
+            raise ValueError(
+                f"{source!r} is an evaluation set: it must never be used as training data (the drafter would be "
+                "measured on prompts it was trained on). Use 'stdlib[:N]' or a JSONL file of other prompts."
+            )
+        if name == "stdlib":
+            loaded = stdlib_prompts(limit=limit, seed=seed)
+        else:
+            loaded = load_prompts(source, limit=limit)
+        for p in loaded:
+            if p.id.startswith(_EVALUATION_ID_PREFIXES):
+                raise ValueError(
+                    f"{source!r} holds the evaluation prompt {p.id!r}: evaluation prompts must never be used as "
+                    "training data. Remove them from the file."
+                )
+            if p.id in origin:
+                raise ValueError(
+                    f"Prompt id {p.id!r} appears in both {origin[p.id]!r} and {source!r}: ids must be unique "
+                    'across sources (give the file\'s prompts distinct "id" fields).'
+                )
+            origin[p.id] = source
+        prompts.extend(loaded)
+    return prompts
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Generation
+
+SETTINGS_FILE = "generation_settings.json"
+SHARDS_DIR = "shards"
+DATASET_DIR = "dataset"
+_FORMAT = "d3d-hf target-distilled data v1"
+_RESUME_KEYS = (
+    "format",
+    "target",
+    "dtype",
+    "max_new_tokens",
+    "temperature",
+    "decoding",
+    "seed",
+    "chat_template_sha256",
+    "eos_token_ids",
+)
+"""Settings that must be equal to resume into a folder. Batch size and prompt sources may change between runs
+(more prompts can be added; the batch size only changes padding numerics) and are recorded per run."""
+
+
+def _versions() -> dict:
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "transformers", "datasets", "tokenizers", "d3d-hf"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def _eos_ids(target, tokenizer) -> list[int]:
+    eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
+
+
+def _pad_id(target, tokenizer, eos_ids: list[int]) -> int:
+    if tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    pad = getattr(getattr(target, "generation_config", None), "pad_token_id", None)
+    if pad is not None:
+        return int(pad)
+    if eos_ids:
+        return eos_ids[0]
+    raise ValueError("The tokenizer has no pad_token_id and the target no pad or eos id: set tokenizer.pad_token.")
+
+
+def _utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _write_json_atomic(path: Path, obj: object) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _read_shards(shards: Path) -> tuple[dict[str, dict], int]:
+    """Rows already generated (id -> row) and the index for the next shard file."""
+    done: dict[str, dict] = {}
+    next_index = 0
+    if not shards.is_dir():
+        return done, next_index
+    for path in sorted(shards.glob("shard-*.jsonl")):
+        next_index = max(next_index, int(path.stem.split("-")[1]) + 1)
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    done[row["id"]] = row
+    return done, next_index
+
+
+def _left_pad(sequences: Sequence[list[int]], pad_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """``input_ids`` and ``attention_mask``, both ``torch.LongTensor`` of shape ``(batch_size, max_len)``."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        input_ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+        attention_mask[i, width - len(seq) :] = 1
+    return input_ids, attention_mask
+
+
+def _trim(ids: list[int], eos_ids: list[int]) -> list[int]:
+    """Cut a generated row after its first eos token (kept); what follows is padding."""
+    for i, t in enumerate(ids):
+        if t in eos_ids:
+            return ids[: i + 1]
+    return ids
+
+
+@torch.no_grad()
+def generate_batch(
+    target: PreTrainedModel,
+    prompt_ids: Sequence[list[int]],
+    pad_token_id: int,
+    eos_token_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+) -> list[list[int]]:
+    """Generate the target's responses to a batch of prompts, left-padded, in one ``generate`` call.
+
+    Args:
+        target: The causal LM.
+        prompt_ids: One list of token ids per prompt (lengths may differ).
+        pad_token_id: Id written into the left padding (masked out by the attention mask) and after finished rows.
+        eos_token_ids: Ids that end a response.
+        max_new_tokens: Most tokens generated per prompt.
+        temperature: 0 for greedy decoding; otherwise pure temperature sampling (``top_k=0``, ``top_p=1``) from
+            the global torch RNG.
+
+    Returns:
+        One list of generated ids per prompt, up to and including the first eos token (when one was emitted),
+        without padding.
+    """
+    input_ids, attention_mask = _left_pad(prompt_ids, pad_token_id)
+    if temperature > 0:
+        decoding = {"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0}
+    else:
+        decoding = {"do_sample": False}
+    out = target.generate(
+        input_ids=input_ids.to(target.device),
+        attention_mask=attention_mask.to(target.device),
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad_token_id,
+        **decoding,
+    )
+    new = out[:, input_ids.shape[1] :].tolist()
+    return [_trim(row, eos_token_ids) for row in new]
+
+
+def _prepare_output(output_dir: Path, settings: dict, resume: bool, overwrite: bool) -> dict | None:
+    """Check ``output_dir`` may be written; returns the settings of an earlier run to resume, or ``None``."""
+    settings_path = output_dir / SETTINGS_FILE
+    if output_dir.exists() and not output_dir.is_dir():
+        raise FileExistsError(f"{output_dir} is a file; choose a folder for the generated data.")
+    if overwrite:
+        for name in (SHARDS_DIR, DATASET_DIR):
+            if (output_dir / name).is_dir():
+                shutil.rmtree(output_dir / name)
+        settings_path.unlink(missing_ok=True)
+        return None
+    if settings_path.is_file():
+        if not resume:
+            raise FileExistsError(
+                f"{output_dir} holds an earlier generation run; resume it (resume=True, the CLI default) or start "
+                "over with overwrite=True (--overwrite), which deletes its shards and dataset."
+            )
+        old = json.loads(settings_path.read_text(encoding="utf-8"))
+        diffs = [
+            f"{key}: folder has {old.get(key)!r}, this run {settings.get(key)!r}"
+            for key in _RESUME_KEYS
+            if old.get(key) != settings.get(key)
+        ]
+        if diffs:
+            raise ValueError(
+                f"Cannot resume into {output_dir}: its data was generated with different settings ("
+                + "; ".join(diffs)
+                + "). Use another output folder, or pass overwrite=True (--overwrite) to start over."
+            )
+        return old
+    if output_dir.is_dir() and any(output_dir.iterdir()):
+        raise FileExistsError(
+            f"{output_dir} is not empty and holds no {SETTINGS_FILE}: choose an empty or new folder, or pass "
+            "overwrite=True (--overwrite) to write into it (other files are kept)."
+        )
+    return None
+
+
+def _prompt_counts(prompts: Sequence[Prompt]) -> dict:
+    counts = Counter(p.id.split("/", 1)[0] if p.id.startswith("stdlib/") else "file" for p in prompts)
+    kinds = Counter(p.id.rsplit("/", 1)[1] for p in prompts if p.id.startswith("stdlib/"))
+    out = dict(sorted(counts.items()))
+    if kinds:
+        out["stdlib_kinds"] = dict(sorted(kinds.items()))
+    return out
+
+
+def generate_dataset(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Prompt],
+    output_dir: str | os.PathLike,
+    max_new_tokens: int = 192,
+    temperature: float = 0.0,
+    batch_size: int = 8,
+    resume: bool = True,
+    progress: bool = True,
+    *,
+    overwrite: bool = False,
+    seed: int = 0,
+    target_name: str | None = None,
+    prompt_sources: str | None = None,
+) -> Dataset:
+    """Answer prompts with the target itself and save the result as a ``datasets`` dataset (self-distillation).
+
+    Prompts are encoded with :func:`~d3d_hf.prompts.encode_prompt`, sorted by length (less padding) and generated
+    ``batch_size`` at a time with left padding and an attention mask (the padding side of ``tokenizer`` is not
+    touched: the batch is padded here with ``tokenizer.pad_token_id``). After every batch its rows are written to
+    ``output_dir/shards/shard-NNNNN.jsonl`` (atomically), so a killed run, called again with the same settings,
+    generates only the prompts whose ids are not in a shard yet. At the end all requested prompts (in the order
+    of ``prompts``; rows of other prompts in the shards are left out) are saved with ``save_to_disk`` to
+    ``output_dir/dataset``. See the module docstring for the layout and the row format.
+
+    Batched versus one-at-a-time: greedy responses of a left-padded batch can differ from ``target.generate`` on
+    the prompt alone in a few tokens, because padding changes the shapes of the matrix products and so their
+    rounding, and a near-tie between the top two logits can flip (then the rest of that response follows the
+    other branch). Measured on SmolLM2-135M-Instruct (16 stdlib prompts, 64 new tokens, batches of 8, 2 CPU
+    threads): in float32 all 16 batched responses equalled the one-at-a-time ones token for token (also checked
+    by ``tests/test_data.py``); in bfloat16 only 7 of 16 did, the others diverging after 3 to 54 tokens. Either
+    way every response is a genuine target response up to rounding, which is what training data for a drafter
+    needs: exactness is required of speculative decoding, not of its training data.
+
+    Args:
+        target: The target causal LM (``PreTrainedModel``), in eval mode; its device and dtype are used as is.
+        tokenizer: Its tokenizer, with a chat template.
+        prompts: The prompts (unique ids), e.g. from :func:`load_prompt_sources`.
+        output_dir: Folder to write to (created). It must be new or empty, hold an earlier run of this function
+            with the same settings (resumed), or ``overwrite`` must be set.
+        max_new_tokens: Most tokens generated per prompt.
+        temperature: 0 for greedy decoding (default), otherwise sampling at this temperature (no top-k/top-p),
+            seeded per batch from ``seed`` and the batch's prompt ids.
+        batch_size: Prompts per ``generate`` call.
+        resume: Continue an earlier run found in ``output_dir`` (its settings must match); when ``False`` an
+            earlier run is an error unless ``overwrite``.
+        progress: Show a tqdm progress bar (prompts, with new tokens per second).
+        overwrite: Delete the shards, dataset and settings of an earlier run in ``output_dir`` and start over;
+            without it nothing already in the folder is replaced. Other files in the folder are kept.
+        seed: Sampling seed (recorded; unused for greedy decoding).
+        target_name: Name recorded for the target (e.g. ``"smollm2-135m-instruct"``); default
+            ``target.name_or_path``.
+        prompt_sources: Description of where the prompts came from (e.g. the :func:`load_prompt_sources` spec),
+            recorded in the settings.
+
+    Returns:
+        The ``datasets.Dataset`` saved to ``output_dir/dataset``, one row per prompt with columns ``id``,
+        ``messages``, ``prompt_ids``, ``response_ids``, ``response``.
+
+    Raises:
+        ValueError: No prompts, duplicate prompt ids, a prompt id already in the shards with other messages, a
+            bad ``max_new_tokens``/``temperature``/``batch_size``, or an earlier run in ``output_dir`` whose
+            settings (target, dtype, max_new_tokens, temperature, seed, chat template, eos ids) differ.
+        FileExistsError: ``output_dir`` is a file, is non-empty without being an earlier run, or holds an earlier
+            run while ``resume`` is ``False``, and ``overwrite`` is not set.
+        ModuleNotFoundError: ``datasets`` is not installed (``pip install 'd3d-hf[train]'``).
+    """
+    try:
+        import datasets
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(
+            "generate_dataset needs the 'datasets' package: pip install 'd3d-hf[train]' (or pip install datasets)"
+        ) from err
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("No prompts given: pass at least one Prompt (e.g. load_prompt_sources('stdlib:100')).")
+    ids = [p.id for p in prompts]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i, n in Counter(ids).items() if n > 1)
+        raise ValueError(f"Duplicate prompt id {dup!r}: prompt ids must be unique.")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+    if not (isinstance(temperature, (int, float)) and temperature >= 0):
+        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}.")
+
+    output_dir = Path(output_dir)
+    eos_ids = _eos_ids(target, tokenizer)
+    pad_id = _pad_id(target, tokenizer, eos_ids)
+    dtype = next(target.parameters()).dtype
+    template = getattr(tokenizer, "chat_template", None) or ""
+    settings = {
+        "format": _FORMAT,
+        "target": target_name or getattr(target, "name_or_path", None) or type(target).__name__,
+        "dtype": str(dtype).removeprefix("torch."),
+        "max_new_tokens": max_new_tokens,
+        "temperature": float(temperature),
+        "decoding": "greedy" if temperature == 0 else "sampling (temperature only, top_k=0, top_p=1)",
+        "seed": seed,
+        "chat_template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(),
+        "eos_token_ids": eos_ids,
+        "pad_token_id": pad_id,
+        "padding": "left, with attention mask",
+        "tokenizer": getattr(tokenizer, "name_or_path", None),
+    }
+    old = _prepare_output(output_dir, settings, resume, overwrite)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    shards = output_dir / SHARDS_DIR
+    shards.mkdir(exist_ok=True)
+    for stale in shards.glob(".*.tmp"):
+        stale.unlink()
+
+    done, next_shard = _read_shards(shards)
+    by_id = {p.id: p for p in prompts}
+    for pid, row in done.items():
+        if pid in by_id and row["messages"] != list(by_id[pid].messages):
+            raise ValueError(
+                f"Prompt {pid!r} is already in {shards} with different messages: the prompt set changed under the "
+                "same ids. Use another output folder, or overwrite=True to start over."
+            )
+    pending = [p for p in prompts if p.id not in done]
+
+    run = {
+        "started_utc": _utc_now(),
+        "batch_size": batch_size,
+        "prompt_sources": prompt_sources,
+        "num_prompts": len(prompts),
+        "already_done": len(prompts) - len(pending),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(target.device),
+        "versions": _versions(),
+    }
+    uses_stdlib = any(p.id.startswith("stdlib/") for p in prompts)
+    record = {
+        **settings,
+        "batch_size": batch_size,
+        "prompt_sources": prompt_sources,
+        "num_prompts": len(prompts),
+        "prompt_counts": _prompt_counts(prompts),
+        "stdlib": stdlib_source_info() if uses_stdlib else (old or {}).get("stdlib"),
+        "versions": run["versions"],
+        "runs": [*(old or {}).get("runs", []), run],
+    }
+    _write_json_atomic(output_dir / SETTINGS_FILE, record)
+
+    encoded = {p.id: encode_prompt(tokenizer, p)[0].tolist() for p in pending}
+    order = sorted(range(len(pending)), key=lambda i: (len(encoded[pending[i].id]), i))
+    pending = [pending[i] for i in order]
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(prompts), initial=len(prompts) - len(pending), unit="prompt", disable=not progress)
+    new_tokens, start = 0, time.perf_counter()
+    try:
+        for b in range(0, len(pending), batch_size):
+            batch = pending[b : b + batch_size]
+            if temperature > 0:
+                torch.manual_seed(seed + zlib.crc32("\n".join(p.id for p in batch).encode("utf-8")))
+            responses = generate_batch(
+                target, [encoded[p.id] for p in batch], pad_id, eos_ids, max_new_tokens, temperature
+            )
+            rows = [
+                {
+                    "id": p.id,
+                    "messages": list(p.messages),
+                    "prompt_ids": encoded[p.id],
+                    "response_ids": resp,
+                    "response": tokenizer.decode(resp, skip_special_tokens=True),
+                }
+                for p, resp in zip(batch, responses, strict=True)
+            ]
+            path = shards / f"shard-{next_shard:05d}.jsonl"
+            tmp = shards / f".{path.name}.tmp"
+            with tmp.open("w", encoding="utf-8") as f:
+                for row in rows:
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            next_shard += 1
+            for row in rows:
+                done[row["id"]] = row
+            new_tokens += sum(len(r["response_ids"]) for r in rows)
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - start, 1e-9):.1f}", refresh=False)
+    finally:
+        bar.close()
+
+    elapsed = time.perf_counter() - start
+    run.update(
+        finished_utc=_utc_now(),
+        generated=len(pending),
+        new_tokens=new_tokens,
+        seconds=round(elapsed, 1),
+        new_tokens_per_second=round(new_tokens / elapsed, 2) if elapsed > 0 and pending else None,
+    )
+    _write_json_atomic(output_dir / SETTINGS_FILE, record)
+
+    rows = [done[p.id] for p in prompts]
+    dataset = datasets.Dataset.from_list(rows)
+    if (output_dir / DATASET_DIR).exists():
+        shutil.rmtree(output_dir / DATASET_DIR)
+    dataset.save_to_disk(str(output_dir / DATASET_DIR))
+    return dataset
+
+
+__all__ = [
+    "DATASET_DIR",
+    "EVALUATION_SETS",
+    "MAX_SOURCE_CHARS",
+    "SETTINGS_FILE",
+    "SHARDS_DIR",
+    "STDLIB_KINDS",
+    "STDLIB_LICENSE",
+    "generate_batch",
+    "generate_dataset",
+    "load_prompt_sources",
+    "stdlib_prompts",
+    "stdlib_source_info",
+]
