@@ -6,10 +6,10 @@ set -euo pipefail
 THREADS=${THREADS:-2}
 DATA=runs/data/smollm2-stdlib
 RUN=runs/train/smollm2-d3d
-STEPS=${STEPS:-900}
+STEPS=${STEPS:-700}
 
 # 1. Target-distilled data: SmolLM2 answers instructions derived from the Python standard library (greedy).
-d3d-hf data --target smollm2-135m-instruct --prompts stdlib:1280 --output "$DATA" --max-new-tokens 192 \
+d3d-hf data --target smollm2-135m-instruct --prompts stdlib:400 --output "$DATA" --max-new-tokens 192 \
   --temperature 0 --batch-size 16 --dtype bfloat16 --threads "$THREADS"
 
 # 2. Block adapters over the target's own 30 layers (the committed-context path stays the target's, so the

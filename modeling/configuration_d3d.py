@@ -52,7 +52,7 @@ class D3DConfig(PretrainedConfig):
             Whether the LM head shares the input embedding matrix.
         block_size (`int`, *optional*, defaults to 16):
             Draft block size `B`: one block is `[anchor, MASK x (B-1)]` and yields `B-1` draft tokens
-            (DESIGN.md section 2). Must be >= 1; `B = 1` drafts nothing (plain target decoding).
+            (d3d-hf docs/DESIGN.md section 2). Must be >= 1; `B = 1` drafts nothing (plain target decoding).
         mask_token_id (`int`, *optional*):
             A spare vocabulary id whose embedding row is the mask token (possible for padded vocabularies
             such as Qwen3's 151936 rows). When `None` (the default, and the only choice for a vocabulary that

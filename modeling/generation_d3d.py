@@ -71,7 +71,7 @@ class D3DGenerationStats:
 
 
 class D3DCandidateGenerator(CandidateGenerator):
-    """Synchronous D3D drafting for transformers' assisted-generation loop (DESIGN.md section 2).
+    """Synchronous D3D drafting for transformers' assisted-generation loop (d3d-hf docs/DESIGN.md section 2).
 
     Each round the drafter extends its own KV cache with the tokens committed since its last call and, in the same
     forward pass, denoises the block `[anchor, MASK x (B-1)]`; the target then verifies the `B-1` drafts in one
@@ -226,8 +226,9 @@ def install_generation_hook() -> None:
     """Makes `GenerationMixin._get_candidate_generator` defer to assistants that build their own candidate
     generator (any assistant model with a `build_candidate_generator` method, such as a D3D drafter).
 
-    transformers has no registry for candidate generators (DESIGN.md section 2), so this is one narrow, idempotent
-    patch of the target's candidate-generator factory; every other assistant keeps transformers' own behaviour.
+    transformers has no registry for candidate generators (d3d-hf docs/DESIGN.md section 2), so this is one
+    narrow, idempotent patch of the target's candidate-generator factory; every other assistant keeps
+    transformers' own behaviour.
     Undo it with `remove_generation_hook()`.
 
     Raises:

@@ -28,9 +28,9 @@ from .generation_d3d import D3DCandidateGenerator, install_generation_hook
 class D3DCache:
     """Key/value cache of the drafter's committed context.
 
-    The drafter keeps only committed tokens here (DESIGN.md section 2): a draft pass appends the block's keys and
-    values, then `crop` removes them again. Per layer it holds `key_states`/`value_states` tensors of shape
-    `[batch_size, num_key_value_heads, seq_len, head_dim]`.
+    The drafter keeps only committed tokens here (d3d-hf docs/DESIGN.md section 2): a draft pass appends the
+    block's keys and values, then `crop` removes them again. Per layer it holds `key_states`/`value_states`
+    tensors of shape `[batch_size, num_key_value_heads, seq_len, head_dim]`.
     """
 
     def __init__(self) -> None:
@@ -80,7 +80,7 @@ def causal_attention_mask(
 def draft_attention_mask(
     num_committed: int, num_masks: int, past_len: int, device: torch.device | str | None = None
 ) -> torch.BoolTensor:
-    """Attention mask of one synchronous draft pass (DESIGN.md section 2, "shifted, causal anchor").
+    """Attention mask of one synchronous draft pass (d3d-hf docs/DESIGN.md section 2, "shifted, causal anchor").
 
     The query sequence is `num_committed` newly committed tokens (the last of them is the anchor) followed by
     `num_masks` mask tokens. Committed tokens attend causally (they extend the drafter's KV cache exactly as an
@@ -147,9 +147,9 @@ class D3DLinear(nn.Linear):
 
     `forward(x, block_gate)` returns `x W^T + b + block_gate * (alpha / r) * x A^T B^T`, where `block_gate` is
     `(batch_size, seq_len, 1)` (1 at draft-block positions, 0 at committed-context positions) or `None` (no adapter).
-    Design choice (DESIGN.md section 8, lesson 3): the committed context and the anchor go through the unmodified
-    weights, so an adapted drafter keeps the source model's exact first-token prediction and a KV cache identical
-    to the source model's, while the mask positions learn to denoise the block. `lora_B` starts at zero, so a fresh
+    Design choice (d3d-hf docs/DESIGN.md section 8, lesson 3): the committed context and the anchor go through
+    the unmodified weights, so an adapted drafter keeps the source model's exact first-token prediction and a KV
+    cache identical to the source model's, while the mask positions learn to denoise the block. `lora_B` starts at zero, so a fresh
     adapter leaves the drafter unchanged.
     """
 
@@ -590,7 +590,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
 
     The drafter is a standalone block-diffusion LM (arXiv 2611.06425): it keeps its own KV cache of the committed
     text and, in one forward pass over `[anchor, MASK x (B-1)]`, predicts `B-1` draft tokens. Alignment
-    ("shifted, causal anchor", DESIGN.md section 8): the anchor (last committed token) attends only to the
+    ("shifted, causal anchor", d3d-hf docs/DESIGN.md section 8): the anchor (last committed token) attends only to the
     committed prefix, and as in the autoregressive model the drafter starts from, the output at block position `j`
     predicts the token at `j + 1`: the anchor's output predicts `d1`, the first mask's output predicts `d2`, and the
     last mask's output predicts one token past the block. An untrained drafter initialised from its target
@@ -761,7 +761,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         self, committed_ids: torch.LongTensor, cache: D3DCache, num_masks: int | None = None
     ) -> torch.FloatTensor:
         r"""
-        One synchronous draft pass (DESIGN.md section 2): extends `cache` with `committed_ids` (causal) and
+        One synchronous draft pass (d3d-hf docs/DESIGN.md section 2): extends `cache` with `committed_ids` (causal) and
         predicts the block that follows, without keeping the masks in the cache.
 
         Args:
@@ -805,6 +805,15 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         """Called by the patched `GenerationMixin._get_candidate_generator` of the target (see
         `generation_d3d.install_generation_hook`): returns the `D3DCandidateGenerator` for one `generate` call
         (attaching the target's weights first for a `shares_target_weights` drafter)."""
+        if target is not None:
+            target_vocab = target.config.get_text_config().vocab_size
+            if target_vocab != self.config.vocab_size:
+                raise ValueError(
+                    f"This D3D drafter has a vocabulary of {self.config.vocab_size} tokens but the target has "
+                    f"{target_vocab}: a D3D drafter drafts in its target's own token ids (universal assisted "
+                    "decoding across tokenizers is not supported). Make a drafter for this target with "
+                    "`D3DForDiffusionDrafting.from_autoregressive(target)`."
+                )
         if self.config.shares_target_weights and target is not None and self._attached_target is not target:
             self.attach_target_weights(target)
         return D3DCandidateGenerator(drafter=self, **kwargs)
@@ -826,7 +835,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         r"""
         Initialises a drafter from an autoregressive causal LM of the same tokenizer (Llama-, Mistral- or
         Qwen3-style layers) by copying the chosen decoder layers, the final norm, the embeddings and the LM head
-        (DESIGN.md section 3, "Initialisation").
+        (d3d-hf docs/DESIGN.md section 3, "Initialisation").
 
         Args:
             model (`PreTrainedModel`):
@@ -834,7 +843,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
                 {q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`, two RMSNorms, optional `q_norm`/`k_norm`).
             num_layers (`int`, *optional*):
                 Copy the first `num_layers` layers. Mutually exclusive with `layer_ids`; if both are `None` all
-                layers are copied (the best untrained drafter, DESIGN.md section 8).
+                layers are copied (the best untrained drafter, d3d-hf docs/DESIGN.md section 8).
             layer_ids (`list[int]`, *optional*):
                 Indices of the source layers to copy, in order.
             block_size (`int`, defaults to 16):

@@ -1,4 +1,4 @@
-"""Benchmark harness: runs decoding methods interleaved on the same prompts and reports DESIGN.md section 6 metrics.
+"""Benchmark harness: runs decoding methods interleaved on the same prompts; metrics of docs/DESIGN.md section 6.
 
 Methods (greedy decoding, batch size 1):
 
@@ -191,7 +191,7 @@ def run_benchmark(
 
 
 def environment_info() -> dict[str, Any]:
-    """Versions, machine and thread count, for the results file (DESIGN.md section 6: always record these)."""
+    """Versions, machine and thread count, for the results file (docs/DESIGN.md section 6: always record these)."""
     import transformers
 
     return {

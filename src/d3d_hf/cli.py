@@ -4,15 +4,38 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 
+def _positive_int(value: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {number}")
+    return number
+
+
+def _layer_ids(value: str) -> list[int]:
+    """argparse type for --layer-ids: comma-separated, distinct, non-negative integers."""
+    try:
+        ids = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices like 0,5,9, got {value!r}") from None
+    if not ids or any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise argparse.ArgumentTypeError(f"expected distinct non-negative layer indices, got {value!r}")
+    return ids
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weight dtype")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -23,8 +46,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="source", required=True, help="target/source model: known name, folder or hub id")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--num-layers", type=int, default=None, help="copy the first N layers (default: all)")
-    group.add_argument("--layer-ids", default=None, help="comma-separated source layer indices to copy")
-    p.add_argument("--block-size", type=int, default=16, help="draft block size B (default 16)")
+    group.add_argument("--layer-ids", type=_layer_ids, default=None, help="comma-separated source layer indices")
+    p.add_argument("--block-size", type=_positive_int, default=16, help="draft block size B (default 16)")
     p.add_argument("--output", required=True, help="folder to write the drafter to")
     p.add_argument("--overwrite", action="store_true", help="allow writing into a non-empty folder")
     _add_common(p)
@@ -34,7 +57,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", required=True, help="drafter folder")
     p.add_argument("--prompt", required=True, help="user message (sent through the chat template)")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=None, help="override the drafter's block size")
+    p.add_argument("--block-size", type=_positive_int, default=None, help="override the drafter's block size")
     p.add_argument("--do-sample", action="store_true", help="sample (lossless speculative sampling)")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
@@ -51,7 +74,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--methods", default="target,d3d", help="comma-separated: target,d3d")
-    p.add_argument("--block-size", type=int, default=None, help="override the drafter's block size")
+    p.add_argument("--block-size", type=_positive_int, default=None, help="override the drafter's block size")
     p.add_argument("--output", default=None, help="write results JSON here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     p.add_argument("--print-completions", action="store_true", help="print each completion")
@@ -78,15 +101,17 @@ def _init_drafter(args) -> int:
     from .targets import load_target, resolve_model
 
     output = ensure_writable_dir(args.output, args.overwrite)
-    layer_ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else None
+    layer_ids = args.layer_ids
     model, tokenizer = load_target(args.source, dtype=args.dtype)
+    # a local target path is recorded absolute, so the drafter finds its target from any working directory
+    source = os.path.abspath(args.source) if os.path.exists(args.source) else args.source
     drafter = D3DForDiffusionDrafting.from_autoregressive(
         model,
         num_layers=args.num_layers,
         layer_ids=layer_ids,
         block_size=args.block_size,
         source_model=resolve_model(args.source).display_name,
-        target_model=args.source,
+        target_model=source,
     )
     drafter.save_pretrained(output)
     tokenizer.save_pretrained(output)
@@ -105,8 +130,12 @@ def _load_pair(args):
     drafter = load_drafter(args.drafter, dtype=args.dtype) if args.drafter else None
     target_name = args.target or (drafter.config.target_model if drafter is not None else None)
     if target_name is None:
-        raise SystemExit("error: give --target (the drafter does not record its target model)")
-    target, tokenizer = load_target(target_name, dtype=args.dtype)
+        raise ValueError("give --target (the drafter does not record its target model)")
+    try:
+        target, tokenizer = load_target(target_name, dtype=args.dtype)
+    except (OSError, ValueError) as err:
+        origin = "--target" if args.target else f"the target recorded in the drafter's config ({args.drafter})"
+        raise ValueError(f"cannot load {origin} {target_name!r}: {err}. Pass --target NAME_OR_PATH.") from err
     if drafter is not None and args.block_size is not None:
         drafter.config.block_size = args.block_size
     return target_name, target, tokenizer, drafter
@@ -139,15 +168,25 @@ def _generate(args) -> int:
 
 
 def _bench(args) -> int:
-    from .bench import environment_info, format_table, run_benchmark
+    from .bench import METHODS, environment_info, format_table, run_benchmark
     from .prompts import load_prompts
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown --methods {unknown}; choose from {list(METHODS)}")
+    if "d3d" in methods and not args.drafter:
+        raise ValueError("method d3d needs --drafter")
     output = Path(args.output) if args.output else None
-    if output is not None and output.exists() and not args.overwrite:
-        raise SystemExit(f"error: {output} exists; choose another --output or pass --overwrite")
+    if output is not None:
+        if output.exists() and not args.overwrite:
+            raise FileExistsError(f"{output} exists; choose another --output or pass --overwrite")
+        if any(p.exists() and not p.is_dir() for p in output.parents):
+            raise ValueError(f"--output {output}: a parent of it is a file, not a folder")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    prompts = load_prompts(args.prompts, limit=args.limit)  # checked before the (slow) model loads
     target_name, target, tokenizer, drafter = _load_pair(args)
-    prompts = load_prompts(args.prompts, limit=args.limit)
 
     def show(prompt, runs):
         if not args.print_completions:
@@ -245,7 +284,7 @@ def _add_hub_commands(sub) -> None:
     p.add_argument("--published-d3d", action="store_true", help="the folder is a published D3D checkpoint")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--num-layers", type=int, default=None, help="copy the first N layers (default: all)")
-    group.add_argument("--layer-ids", default=None, help="comma-separated source layer indices to copy")
+    group.add_argument("--layer-ids", type=_layer_ids, default=None, help="comma-separated source layer indices")
     p.add_argument("--block-size", type=int, default=None, help="draft block size B (default 16, or the checkpoint's)")
     mask = p.add_mutually_exclusive_group()
     mask.add_argument("--mask-token-id", type=int, default=None, help="spare vocabulary id to use as the mask token")
@@ -372,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers.update({"push": _push, "convert": _convert})
     try:
         return handlers[args.command](args)
-    except (FileExistsError, FileNotFoundError, ValueError) as err:
+    except (FileExistsError, FileNotFoundError, NotADirectoryError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -1,6 +1,6 @@
 """Target-distilled training data for D3D drafters: real prompts answered by the target itself.
 
-A D3D drafter learns the distribution of the target it drafts for (self-distillation, DESIGN.md section 3), so
+A D3D drafter learns the distribution of the target it drafts for (self-distillation, docs/DESIGN.md section 3), so
 every training example is a prompt plus the *target's own* response to it: greedy when ``temperature == 0``,
 otherwise sampled at that temperature. Evaluation prompts (HumanEval) are never used for training.
 

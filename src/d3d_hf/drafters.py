@@ -72,7 +72,15 @@ def load_drafter(
         raise FileNotFoundError(
             f"No drafter folder at {name_or_path}; create one with `d3d-hf init-drafter --from TARGET --output DIR`."
         )
-    config = AutoConfig.from_pretrained(name_or_path)
+    if looks_local and not os.path.exists(os.path.join(name_or_path, "config.json")):
+        raise FileNotFoundError(f"{name_or_path} has no config.json: it is not a saved drafter folder.")
+    try:
+        config = AutoConfig.from_pretrained(name_or_path)
+    except OSError as err:
+        raise FileNotFoundError(
+            f"Cannot load drafter {name_or_path!r}: no such local folder, and the Hugging Face Hub could not "
+            f"provide it ({type(err).__name__}). Pass an existing folder or a reachable hub id."
+        ) from err
     if not isinstance(config, D3DConfig):
         raise ValueError(
             f"{name_or_path} holds a `{config.model_type}` model, not a D3D drafter (model_type 'd3d'); create one "

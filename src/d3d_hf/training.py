@@ -1,6 +1,6 @@
 """Training D3D drafters: `D3DTrainingConfig` + `D3DTrainer` on the transformers `Trainer` machinery.
 
-Objective (DESIGN.md section 3; BD3-LM block-diffusion attention, arXiv 2503.09573):
+Objective (docs/DESIGN.md section 3; BD3-LM block-diffusion attention, arXiv 2503.09573):
 
 - **Blockwise denoising.** For `anchors_per_sequence` random anchors `a` per sequence, the block after the anchor,
   positions `a+1 .. a+B-1`, is masked (every position, or a random fraction in `[mask_ratio_min,
@@ -85,7 +85,6 @@ class D3DTrainingConfig(TrainingArguments):
     tau_eval_steps: int = field(default=0, metadata={"help": "Measure tau every N steps (0 = never)."})
     tau_eval_max_new_tokens: int = field(default=64, metadata={"help": "New tokens per tau prompt."})
     remove_unused_columns: bool = field(default=False, metadata={"help": "Keep the collator's columns."})
-    report_to: Any = field(default="none", metadata={"help": "Integrations to report to."})
 
     def __post_init__(self):
         super().__post_init__()
