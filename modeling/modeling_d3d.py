@@ -149,8 +149,8 @@ class D3DLinear(nn.Linear):
     `(batch_size, seq_len, 1)` (1 at draft-block positions, 0 at committed-context positions) or `None` (no adapter).
     Design choice (d3d-hf docs/DESIGN.md section 8, lesson 3): the committed context and the anchor go through
     the unmodified weights, so an adapted drafter keeps the source model's exact first-token prediction and a KV
-    cache identical to the source model's, while the mask positions learn to denoise the block. `lora_B` starts at zero, so a fresh
-    adapter leaves the drafter unchanged.
+    cache identical to the source model's, while the mask positions learn to denoise the block. `lora_B` starts
+    at zero, so a fresh adapter leaves the drafter unchanged.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, rank: int = 0, alpha: float = 16.0):
