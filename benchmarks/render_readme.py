@@ -17,18 +17,20 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 RESULTS = [
-    "benchmarks/results/foundation_humaneval_float32.json",
-    "benchmarks/results/foundation_humaneval_bfloat16.json",
+    ("benchmarks/results/shipped_humaneval_float32.json", "shipped drafter `d3d-smollm2-135m-instruct`"),
+    ("benchmarks/results/shipped_humaneval_bfloat16.json", "shipped drafter `d3d-smollm2-135m-instruct`"),
+    ("benchmarks/results/foundation_humaneval_float32.json", "untrained drafter from `d3d-hf init-drafter`"),
+    ("benchmarks/results/foundation_humaneval_bfloat16.json", "untrained drafter from `d3d-hf init-drafter`"),
 ]
 
 
 def render() -> str:
     parts = []
-    for rel in RESULTS:
+    for rel, label in RESULTS:
         data = json.loads((ROOT / rel).read_text())
         st = data["settings"]
         parts.append(
-            f"**{st['target']}**, drafter `{st['drafter']}` ({st['drafter_layers']} layers, untrained), "
+            f"**{st['target']}** with the {label} ({st['drafter_layers']} layers), "
             f"{st['dtype']}, {st['num_prompts']} {st['prompts']} prompts, {st['max_new_tokens']} new tokens, "
             f"block size {st['block_size']}, {st['torch_threads']} threads on {st['cpu_count']} CPU cores "
             f"({st['machine']}), torch {st['torch']}, transformers {st['transformers']}. "

@@ -1,0 +1,58 @@
+"""`d3d-hf` argument errors are reported clearly, before any model is loaded."""
+
+import pytest
+
+from d3d_hf.cli import main
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "--methods", "target,eagle", "--drafter", "x"], "unknown --methods"),
+        (["bench", "--methods", "target,d3d"], "needs --drafter"),
+        (["bench", "--drafter", "x", "--limit", "0"], "--limit must be >= 1"),
+        (["bench", "--drafter", "x", "--prompts", "/nonexistent/prompts.jsonl"], "does not exist"),
+    ],
+)
+def test_bench_argument_errors(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_output_under_a_file(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert main(["bench", "--drafter", "x", "--output", str(tmp_path / "file" / "r.json")]) == 2
+    assert "parent of it is a file" in capsys.readouterr().err
+
+
+def test_existing_results_are_not_overwritten(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    out.write_text("{}")
+    assert main(["bench", "--drafter", "x", "--output", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert out.read_text() == "{}"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["init-drafter", "--from", "t", "--output", "o", "--layer-ids", "0,a"],
+        ["init-drafter", "--from", "t", "--output", "o", "--layer-ids", "1,1"],
+        ["init-drafter", "--from", "t", "--output", "o", "--block-size", "0"],
+        ["bench", "--drafter", "x", "--block-size", "-3"],
+        ["bench", "--drafter", "x", "--threads", "-1"],
+    ],
+)
+def test_bad_values_are_rejected_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "expected" in capsys.readouterr().err
+
+
+def test_missing_drafter_folder(tmp_path, capsys):
+    assert main(["generate", "--drafter", str(tmp_path / "none"), "--prompt", "hi"]) == 2
+    assert "init-drafter" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["generate", "--drafter", str(tmp_path / "empty"), "--prompt", "hi"]) == 2
+    assert "no config.json" in capsys.readouterr().err
