@@ -605,6 +605,9 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
 
     def __init__(self, config: D3DConfig) -> None:
         super().__init__(config)
+        if config.shares_target_weights:
+            # embeddings and LM head are the target's tensors (`attach_target_weights`), not tied copies stored here
+            self._tied_weights_keys = {}
         self.model = D3DModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()

@@ -99,3 +99,31 @@ def test_load_drafter_errors(tmp_path):
     tiny_target("llama").save_pretrained(tmp_path / "llama")
     with pytest.raises(ValueError, match="not a D3D drafter"):
         load_drafter(str(tmp_path / "llama"))
+
+
+def test_shipped_drafter_bundle_matches_the_modeling_sources():
+    """The packaged checkpoint carries copies of modeling/ (for trust_remote_code); they must not drift."""
+    from pathlib import Path
+
+    from d3d_hf.drafters import KNOWN_DRAFTERS
+
+    root = Path(__file__).resolve().parents[1] / "modeling"
+    for name, folder in KNOWN_DRAFTERS.items():
+        for source in ("configuration_d3d.py", "modeling_d3d.py", "generation_d3d.py"):
+            assert (folder / source).read_text() == (root / source).read_text(), (
+                f"{name}/{source} is stale: re-run examples/ship_smollm2_drafter.py"
+            )
+
+
+def test_shipped_drafter_loads_and_decodes_losslessly(smollm2):
+    from d3d_hf.prompts import encode_prompt, load_prompts
+
+    model, tokenizer = smollm2
+    drafter = load_drafter("d3d-smollm2-135m-instruct")
+    assert drafter.config.shares_target_weights and drafter.config.block_lora_rank > 0
+    ids = encode_prompt(tokenizer, load_prompts("humaneval", limit=1)[0])
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False)
+    ref = model.generate(ids, **kwargs)
+    out = model.generate(ids, assistant_model=drafter, **kwargs)
+    assert torch.equal(out, ref)
+    assert drafter.last_generation_stats.tau > 2.0

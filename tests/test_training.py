@@ -203,3 +203,4 @@ def test_peft_adapter_round_trip(target, dataset, tmp_path):
     # the fully trained mask embedding travelled with the adapter
     assert not torch.equal(reloaded.base_model.model.model.mask_token_embedding(),
                            _drafter(target).model.mask_token_embedding())
+

@@ -346,7 +346,7 @@ def _convert(args) -> int:
     from .convert import convert_autoregressive_checkpoint, load_published_d3d_checkpoint
     from .drafters import ensure_writable_dir
 
-    layer_ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else None
+    layer_ids = args.layer_ids
     if args.published_d3d:
         if args.num_layers is not None or layer_ids is not None or args.mask_embedding:
             raise ValueError("--num-layers, --layer-ids and --mask-embedding apply to autoregressive checkpoints only.")
