@@ -179,6 +179,12 @@ class D3DLinear(nn.Linear):
         return out
 
 
+def _projection(config: D3DConfig, name: str, in_features: int, out_features: int, bias: bool) -> D3DLinear:
+    """A `D3DLinear` with a block adapter when `name` is in `config.block_lora_modules` and the rank is > 0."""
+    rank = config.block_lora_rank if name in config.block_lora_modules else 0
+    return D3DLinear(in_features, out_features, bias, rank, config.block_lora_alpha)
+
+
 class D3DMaskEmbedding(nn.Module):
     """The mask token's learned input embedding, `weight` of shape `(hidden_size,)`, kept outside the vocabulary.
 
@@ -248,16 +254,11 @@ class D3DAttention(nn.Module):
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         self.is_causal = False  # the mask is always explicit
-        h, kv = config.num_attention_heads, config.num_key_value_heads
-
-        def linear(name, n_in, n_out):
-            rank = config.block_lora_rank if name in config.block_lora_modules else 0
-            return D3DLinear(n_in, n_out, config.attention_bias, rank, config.block_lora_alpha)
-
-        self.q_proj = linear("q_proj", config.hidden_size, h * self.head_dim)
-        self.k_proj = linear("k_proj", config.hidden_size, kv * self.head_dim)
-        self.v_proj = linear("v_proj", config.hidden_size, kv * self.head_dim)
-        self.o_proj = linear("o_proj", h * self.head_dim, config.hidden_size)
+        h, kv, bias = config.num_attention_heads, config.num_key_value_heads, config.attention_bias
+        self.q_proj = _projection(config, "q_proj", config.hidden_size, h * self.head_dim, bias)
+        self.k_proj = _projection(config, "k_proj", config.hidden_size, kv * self.head_dim, bias)
+        self.v_proj = _projection(config, "v_proj", config.hidden_size, kv * self.head_dim, bias)
+        self.o_proj = _projection(config, "o_proj", h * self.head_dim, config.hidden_size, bias)
         if config.use_qk_norm:
             self.q_norm = D3DRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = D3DRMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -306,13 +307,10 @@ class D3DMLP(nn.Module):
 
     def __init__(self, config: D3DConfig) -> None:
         super().__init__()
-        def linear(name, n_in, n_out):
-            rank = config.block_lora_rank if name in config.block_lora_modules else 0
-            return D3DLinear(n_in, n_out, config.mlp_bias, rank, config.block_lora_alpha)
-
-        self.gate_proj = linear("gate_proj", config.hidden_size, config.intermediate_size)
-        self.up_proj = linear("up_proj", config.hidden_size, config.intermediate_size)
-        self.down_proj = linear("down_proj", config.intermediate_size, config.hidden_size)
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = _projection(config, "gate_proj", hidden, inner, bias)
+        self.up_proj = _projection(config, "up_proj", hidden, inner, bias)
+        self.down_proj = _projection(config, "down_proj", inner, hidden, bias)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor, block_gate: torch.Tensor | None = None) -> torch.Tensor:
