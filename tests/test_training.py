@@ -204,3 +204,33 @@ def test_peft_adapter_round_trip(target, dataset, tmp_path):
     assert not torch.equal(reloaded.base_model.model.model.mask_token_embedding(),
                            _drafter(target).model.mask_token_embedding())
 
+
+
+def test_two_processes_match_one_process_with_doubled_accumulation(tmp_path):
+    """2 CPU processes (torch.distributed, gloo; what `accelerate launch` starts) give the loss curve and weights of
+    1 process with 2 gradient-accumulation steps."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = str(Path(__file__).parent / "scripts" / "train_tiny.py")
+    common = ["--per-device", "1"]
+    two = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script, *common, "--accum", "1",
+         "--out", str(tmp_path / "two.json"), "--output-dir", str(tmp_path / "two")],
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = subprocess.run(
+        [sys.executable, script, *common, "--accum", "2", "--out", str(tmp_path / "one.json"),
+         "--output-dir", str(tmp_path / "one")],
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    two_run = json.loads((tmp_path / "two.json").read_text())
+    one_run = json.loads((tmp_path / "one.json").read_text())
+    assert two_run["world_size"] == 2 and one_run["world_size"] == 1
+    assert len(two_run["loss"]) == len(one_run["loss"]) == 5
+    assert two_run["loss"] == pytest.approx(one_run["loss"], rel=1e-4)
+    assert two_run["param_sums"] == pytest.approx(one_run["param_sums"], rel=1e-4, abs=1e-4)

@@ -246,7 +246,8 @@ def d3d_losses(
         positions = torch.arange(length - 1, device=device)[None]
         keep = (positions >= (inputs["response_start"][:, None] - 1)) & attention_mask[:, 1:].bool()
         if keep.any():
-            head = drafter.get_output_embeddings()
+            unwrapped = getattr(drafter, "module", drafter)  # DistributedDataParallel wraps the model
+            head = unwrapped.get_output_embeddings()
             logits = head(hidden[keep]).float()
             losses["ar_loss"] = F.cross_entropy(logits, input_ids[:, 1:][keep])
         else:
