@@ -1,4 +1,4 @@
-"""`d3d-hf` command line: `init-drafter`, `generate` and `bench`."""
+"""`d3d-hf` command line: `init-drafter`, `generate`, `data`, `train`, `bench`, `push` and `convert`."""
 
 from __future__ import annotations
 
@@ -113,8 +113,7 @@ def _init_drafter(args) -> int:
         source_model=resolve_model(args.source).display_name,
         target_model=source,
     )
-    drafter.save_pretrained(output)
-    tokenizer.save_pretrained(output)
+    drafter.save_pretrained(output, tokenizer=tokenizer)
     cfg = drafter.config
     print(
         f"Saved a {cfg.num_hidden_layers}-layer D3D drafter (block size {cfg.block_size}, source layers "

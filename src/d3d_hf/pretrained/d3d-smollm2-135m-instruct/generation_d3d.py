@@ -174,11 +174,12 @@ class D3DCandidateGenerator(CandidateGenerator):
                     token = step_scores.argmax(dim=-1, keepdim=True)
             else:
                 token = chosen[:, k : k + 1]
-            if self.stop_string_criteria is not None:
+            if has_processors or self.stop_string_criteria is not None:
+                # only history-dependent processors and stop strings need the sequence with the drafts so far
                 extended = torch.cat([sequence, token], dim=1)
-                if bool(self.stop_string_criteria(extended, None).any()):
+                if self.stop_string_criteria is not None and bool(self.stop_string_criteria(extended, None).any()):
                     break
-            sequence = torch.cat([sequence, token], dim=1)
+                sequence = extended
             drafts.append(token)
             scores.append(step_scores)
             if int(token) in self.eos_token_ids:
