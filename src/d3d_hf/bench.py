@@ -190,6 +190,35 @@ def run_benchmark(
     return {"runs": {m: [asdict(r) for r in rs] for m, rs in runs.items()}, "summary": summary}
 
 
+def merge_results(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Merges results of `run_benchmark` over disjoint prompt shards (same methods and settings) into one.
+
+    The per-prompt runs are concatenated in the given order and the summaries recomputed with `summarize`; the
+    settings are the first shard's, with `num_prompts` updated and the shard commands listed under `commands`.
+
+    Raises:
+        ValueError: if `results` is empty, the shards ran different methods, or a prompt appears twice.
+    """
+    if not results:
+        raise ValueError("Nothing to merge.")
+    methods = list(results[0]["runs"])
+    if any(list(r["runs"]) != methods for r in results):
+        raise ValueError(f"Every shard must run the same methods ({methods}).")
+    runs = {m: [PromptRun(**run) for r in results for run in r["runs"][m]] for m in methods}
+    ids = [run.prompt_id for run in runs["target"]]
+    if len(set(ids)) != len(ids):
+        raise ValueError("The shards overlap: a prompt id appears more than once.")
+    settings = dict(results[0].get("settings", {}))
+    settings["num_prompts"] = len(ids)
+    settings["commands"] = [r.get("settings", {}).get("command") for r in results]
+    settings.pop("command", None)
+    return {
+        "runs": {m: [asdict(run) for run in rs] for m, rs in runs.items()},
+        "summary": {m: summarize(runs[m], runs["target"]) for m in methods},
+        "settings": settings,
+    }
+
+
 def environment_info() -> dict[str, Any]:
     """Versions, machine and thread count, for the results file (docs/DESIGN.md section 6: always record these)."""
     import transformers
@@ -221,4 +250,4 @@ def format_table(summary: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["METHODS", "PromptRun", "environment_info", "format_table", "run_benchmark", "summarize"]
+__all__ = ["METHODS", "PromptRun", "environment_info", "format_table", "merge_results", "run_benchmark", "summarize"]

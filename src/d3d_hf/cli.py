@@ -71,7 +71,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="target model (default: the drafter's recorded target)")
     p.add_argument("--drafter", default=None, help="drafter folder (needed for method d3d)")
     p.add_argument("--prompts", default="humaneval", help="'humaneval' or a JSONL file")
-    p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--limit", type=int, default=None, help="use the first N prompts (after --offset)")
+    p.add_argument("--offset", type=int, default=0, help="skip the first N prompts (to run a long set in shards)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--methods", default="target,d3d", help="comma-separated: target,d3d")
     p.add_argument("--block-size", type=_positive_int, default=None, help="override the drafter's block size")
@@ -184,7 +185,12 @@ def _bench(args) -> int:
             raise ValueError(f"--output {output}: a parent of it is a file, not a folder")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
-    prompts = load_prompts(args.prompts, limit=args.limit)  # checked before the (slow) model loads
+    if args.offset < 0:
+        raise ValueError(f"--offset must be >= 0, got {args.offset}")
+    prompts = load_prompts(args.prompts)[args.offset :]  # checked before the (slow) model loads
+    if not prompts:
+        raise ValueError(f"--offset {args.offset} skips every prompt of {args.prompts}")
+    prompts = prompts[: args.limit] if args.limit is not None else prompts
     target_name, target, tokenizer, drafter = _load_pair(args)
 
     def show(prompt, runs):
@@ -216,6 +222,7 @@ def _bench(args) -> int:
         "block_size": drafter.config.block_size if drafter is not None else None,
         "prompts": args.prompts,
         "limit": args.limit,
+        "offset": args.offset,
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "prompt_template": "tokenizer chat template, one user turn, add_generation_prompt=True",
