@@ -256,8 +256,17 @@ def install_generation_hook() -> None:
     original = current
 
     @functools.wraps(original)
-    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
-                                 assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
+    def _get_candidate_generator(
+        self,
+        generation_config,
+        input_ids,
+        inputs_tensor,
+        logits_processor,
+        model_kwargs,
+        assistant_model=None,
+        target_tokenizer=None,
+        assistant_tokenizer=None,
+    ):
         build = getattr(assistant_model, "build_candidate_generator", None)
         if build is not None:
             return build(

@@ -64,9 +64,7 @@ class D3DCache:
             self.value_cache[i] = self.value_cache[i][..., :max_length, :]
 
 
-def causal_attention_mask(
-    query_len: int, past_len: int, device: torch.device | str | None = None
-) -> torch.BoolTensor:
+def causal_attention_mask(query_len: int, past_len: int, device: torch.device | str | None = None) -> torch.BoolTensor:
     """Causal mask for `query_len` new tokens after `past_len` cached ones.
 
     Returns:
@@ -93,6 +91,65 @@ def draft_attention_mask(
     mask = causal_attention_mask(num_committed + num_masks, past_len, device).clone()
     mask[..., num_committed:, :] = True
     return mask
+
+
+def packed_metadata(
+    chain_length: int, hypothesis_chain_lengths: list[int], block_size: int, device: torch.device | str | None = None
+) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:
+    """Per-token metadata of a packed successor-drafting pass (d3d-hf docs/DESIGN.md sections 2 and 5).
+
+    The packed sequence is one causal *chain* of `chain_length` tokens (tokens committed since the drafter's last
+    call, then the drafts `d1..d_{B-1}` of the block being verified) followed by one successor block of
+    `block_size` tokens `[g_h, MASK x (block_size - 1)]` per hypothesis `h`; hypothesis `h` assumes the first
+    `hypothesis_chain_lengths[h]` chain tokens get committed.
+
+    Returns:
+        `(segment_ids, positions, chain_lengths)`, each a `torch.LongTensor` of shape `(T,)` with `T = chain_length
+        + len(hypothesis_chain_lengths) * block_size`: `segment_ids` is 0 on the chain and `h + 1` on block `h`;
+        `positions` the index inside the segment; `chain_lengths` how many chain tokens the token sees (`i + 1` for
+        chain token `i`, the hypothesis' chain length inside a block).
+
+    Raises:
+        ValueError: if a hypothesis' chain length is outside `[0, chain_length]` or `block_size < 1`.
+    """
+    if block_size < 1:
+        raise ValueError(f"`block_size` must be >= 1, got {block_size}.")
+    for length in hypothesis_chain_lengths:
+        if not 0 <= length <= chain_length:
+            raise ValueError(f"A hypothesis' chain length must be in [0, {chain_length}], got {length}.")
+    num_blocks = len(hypothesis_chain_lengths)
+    chain = torch.arange(chain_length, device=device)
+    in_block = torch.arange(block_size, device=device).repeat(num_blocks)
+    segment_ids = torch.cat(
+        [
+            torch.zeros(chain_length, dtype=torch.long, device=device),
+            torch.arange(1, num_blocks + 1, device=device).repeat_interleave(block_size),
+        ]
+    )
+    hypotheses = torch.tensor(hypothesis_chain_lengths, dtype=torch.long, device=device)
+    chain_lengths = torch.cat([chain + 1, hypotheses.repeat_interleave(block_size)])
+    return segment_ids, torch.cat([chain, in_block]), chain_lengths
+
+
+def packed_attention_mask(
+    segment_ids: torch.Tensor, positions: torch.Tensor, chain_lengths: torch.Tensor, prefix_length: int
+) -> torch.BoolTensor:
+    """Dense boolean mask of a packed successor-drafting pass, from the metadata of `packed_metadata`.
+
+    Query `t` may attend key `s` (keys are the `prefix_length` cached tokens, then the packed tokens in order) iff
+    `s` is in the cached prefix; or `s` is a chain token with `positions[s] < chain_lengths[t]`; or `s` is in the
+    same successor block as `t` and (`t` is a mask, `positions[t] > 0`, or `s` is the block's first token): the
+    block's first token (the bonus guess, an anchor) attends causally, as in a synchronous draft pass ("shifted,
+    causal anchor", d3d-hf docs/DESIGN.md section 8), and the masks attend to the whole block.
+
+    Returns:
+        `torch.BoolTensor` of shape `(T, prefix_length + T)`, `True` where attention is allowed.
+    """
+    same_block = (segment_ids[:, None] == segment_ids[None, :]) & (segment_ids[:, None] > 0)
+    block = same_block & ((positions[:, None] > 0) | (positions[None, :] == 0))
+    chain = (segment_ids[None, :] == 0) & (positions[None, :] < chain_lengths[:, None])
+    prefix = torch.ones(segment_ids.shape[0], prefix_length, dtype=torch.bool, device=segment_ids.device)
+    return torch.cat([prefix, block | chain], dim=1)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -578,9 +635,7 @@ class D3DModel(D3DPreTrainedModel):
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
         hidden_states = self.norm(hidden_states)
-        return D3DModelOutput(
-            last_hidden_state=hidden_states, cache=cache, hidden_states=all_hidden_states
-        )
+        return D3DModelOutput(last_hidden_state=hidden_states, cache=cache, hidden_states=all_hidden_states)
 
 
 class D3DForDiffusionDrafting(D3DPreTrainedModel):
@@ -931,7 +986,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
                 prefix = f"model.layers.{src_idx}."
                 for key, value in src_state.items():
                     if key.startswith(prefix):
-                        new_state[f"model.layers.{dst_idx}.{key[len(prefix):]}"] = value
+                        new_state[f"model.layers.{dst_idx}.{key[len(prefix) :]}"] = value
             new_state["model.embed_tokens.weight"] = src_state["model.embed_tokens.weight"]
             new_state["model.norm.weight"] = src_state["model.norm.weight"]
             new_state["lm_head.weight"] = src_state.get("lm_head.weight", src_state["model.embed_tokens.weight"])
