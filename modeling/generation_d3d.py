@@ -6,6 +6,7 @@ loaded with `trust_remote_code=True` (without d3d_hf installed) decodes with D3D
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import inspect
 import time
@@ -37,6 +38,20 @@ _EXPECTED_FACTORY_PARAMETERS = (
 )
 
 
+#: per-call options read from the `GenerationConfig` passed to `generate`, else from `drafter.generation_config`
+ASYNC_OPTIONS = {"d3d_async": False, "d3d_num_hypotheses": 4, "d3d_reuse_on_miss": False}
+"""Defaults; `d3d_num_hypotheses` is at most the block size when not set."""
+_EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The one worker thread that runs packed passes on CPU (torch ops release the GIL)."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3d-packed-draft")
+    return _EXECUTOR
+
+
 @dataclass
 class D3DGenerationStats:
     """Statistics of one `generate` call with a D3D drafter (stored as `drafter.last_generation_stats`).
@@ -46,10 +61,20 @@ class D3DGenerationStats:
         new_tokens (`int`): tokens committed by those forwards (accepted drafts plus one bonus token each).
         accepted_drafts (`int`): draft tokens the target accepted.
         drafted_tokens (`int`): draft tokens proposed.
-        draft_seconds (`list[float]`): wall time of each round's draft pass, seconds.
-        verify_seconds (`list[float]`): wall time from the end of each draft pass to the end of its verification
-            (target forward plus transformers' acceptance bookkeeping), seconds.
+        draft_seconds (`list[float]`): wall time of each round's drafting on the critical path, seconds: the draft
+            pass (synchronous), or waiting for the packed pass plus choosing the tokens (asynchronous hit).
+        verify_seconds (`list[float]`): wall time from the end of each round's drafting to the end of its
+            verification (target forward plus transformers' acceptance bookkeeping), seconds.
         acceptance_lengths (`list[int]`): tokens committed per round (`tau` of each round).
+        asynchronous (`bool`): whether packed successor drafting was on.
+        num_hypotheses (`int`): successor blocks per packed pass (asynchronous only).
+        hits (`int`): rounds whose block came from the packed pass because the real outcome was a hypothesis and
+            its bonus guess was right.
+        reused (`int`): missed rounds that still used a packed block, with the real bonus token substituted
+            (`d3d_reuse_on_miss=True`).
+        misses (`int`): rounds after a packed pass that needed a synchronous draft.
+        packed_seconds (`list[float]`): wall time of each packed pass, seconds (off the critical path; on CUDA the
+            time to enqueue it).
     """
 
     rounds: int = 0
@@ -59,30 +84,59 @@ class D3DGenerationStats:
     draft_seconds: list[float] = field(default_factory=list)
     verify_seconds: list[float] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)
+    asynchronous: bool = False
+    num_hypotheses: int = 0
+    hits: int = 0
+    reused: int = 0
+    misses: int = 0
+    packed_seconds: list[float] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
         """Mean acceptance length: committed tokens per target verification forward, bonus included."""
         return self.new_tokens / self.rounds if self.rounds else 0.0
 
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of rounds after a packed pass whose block was pre-drafted (`hits / (hits + reused + misses)`)."""
+        total = self.hits + self.reused + self.misses
+        return self.hits / total if total else 0.0
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain-dict form (with `tau`), for JSON."""
-        return {**asdict(self), "tau": self.tau}
+        """Plain-dict form (with `tau` and `hit_rate`), for JSON."""
+        return {**asdict(self), "tau": self.tau, "hit_rate": self.hit_rate}
 
 
 class D3DCandidateGenerator(CandidateGenerator):
-    """Synchronous D3D drafting for transformers' assisted-generation loop (d3d-hf docs/DESIGN.md section 2).
+    """D3D drafting for transformers' assisted-generation loop (d3d-hf docs/DESIGN.md section 2).
 
-    Each round the drafter extends its own KV cache with the tokens committed since its last call and, in the same
-    forward pass, denoises the block `[anchor, MASK x (B-1)]`; the target then verifies the `B-1` drafts in one
-    forward (transformers' loop), commits the accepted prefix plus a bonus token, and crops its cache. Drafts are
-    the argmax (greedy) or a sample (`do_sample=True`) of the drafter's scores after the same logits processors the
-    target applies, so the returned scores are exactly the distribution `q` each draft was drawn from, as lossless
-    speculative sampling requires.
+    **Synchronous rounds.** The drafter extends its own KV cache with the tokens committed since its last call and,
+    in the same forward pass, denoises the block `[anchor, MASK x (B-1)]`; the target then verifies the `B-1` drafts
+    in one forward (transformers' loop), commits the accepted prefix plus a bonus token, and crops its cache.
 
+    **Asynchronous rounds** (`d3d_async=True`, arXiv 2611.06425). Right after handing a block to the target, the
+    drafter runs one packed pass (`D3DForDiffusionDrafting.packed_draft_logits`) that drafts the *successor* block for
+    the `d3d_num_hypotheses` most likely verification outcomes, while the target verifies: on a worker thread on
+    CPU, on a side CUDA stream (joined with an event) on GPU. Hypotheses are acceptance lengths `m`, ranked by the
+    drafter's own confidences `q_j` of its drafts: `P(m) = q_1 ... q_m (1 - q_{m+1})` (and `q_1 ... q_k` for all
+    `k` accepted); each gets a bonus guess `g_m`, the best token at position `m + 1` other than the rejected
+    `d_{m+1}` (the drafter's next-token guess when all drafts are accepted). When the real outcome `(m*, b*)` is a
+    hypothesis with `g_{m*} == b*` (a hit), the pre-drafted block is used and the drafter cache is extended with the
+    packed keys/values of what was committed; otherwise the round drafts synchronously (a miss), or, with
+    `d3d_reuse_on_miss=True`, uses the block drafted for `m*` although its bonus guess was wrong. Every token is
+    still verified by the target, so hits change speed, never output.
+
+    Drafts are the argmax (greedy) or a sample (`do_sample=True`) of the drafter's scores after the same logits
+    processors the target applies, applied to the real committed sequence when the block is used, so the returned
+    scores are exactly the distribution `q` each draft was drawn from, as lossless speculative sampling requires.
     A draft never contains a token that completes one of `generation_config.stop_strings`: such a token and what
     follows it are left to the target, so generation stops exactly where target-only decoding stops (transformers
     checks stop strings only at the end of each round).
+
+    Options (attributes of the `GenerationConfig` passed to `generate`, e.g. `GenerationConfig(d3d_async=True)`,
+    else of `drafter.generation_config`, as transformers reads `num_assistant_tokens` from the assistant):
+    `d3d_async` (`bool`, default `False`), `d3d_num_hypotheses` (`int` in `[1, block_size]`, default
+    `min(4, block_size)`), `d3d_reuse_on_miss` (`bool`, default `False`).
 
     Args:
         drafter (`D3DForDiffusionDrafting`): the drafter.
@@ -93,7 +147,8 @@ class D3DCandidateGenerator(CandidateGenerator):
         Other keyword arguments of transformers' candidate-generator factory are accepted and ignored.
 
     Raises:
-        ValueError: for a batch size other than 1 or `stop_strings` without a tokenizer.
+        ValueError: for a batch size other than 1, `stop_strings` without a tokenizer, or `d3d_num_hypotheses`
+            outside `[1, block_size]`.
     """
 
     def __init__(
@@ -121,12 +176,30 @@ class D3DCandidateGenerator(CandidateGenerator):
             if target_tokenizer is None:
                 raise ValueError("`stop_strings` need the tokenizer: pass `tokenizer=...` to `generate`.")
             self.stop_string_criteria = StopStringCriteria(target_tokenizer, generation_config.stop_strings)
+        options = {}
+        for name in ASYNC_OPTIONS:
+            value = getattr(generation_config, name, None)
+            if value is None:
+                value = getattr(getattr(drafter, "generation_config", None), name, None)
+            options[name] = value
+        self.asynchronous = bool(options["d3d_async"])
+        self.num_hypotheses = int(
+            options["d3d_num_hypotheses"] or min(ASYNC_OPTIONS["d3d_num_hypotheses"], self.block_size)
+        )
+        self.reuse_on_miss = bool(options["d3d_reuse_on_miss"])
+        if not 1 <= self.num_hypotheses <= self.block_size:
+            raise ValueError(
+                f"`d3d_num_hypotheses` must be in [1, block_size={self.block_size}], got {self.num_hypotheses}."
+            )
         from .modeling_d3d import D3DCache  # deferred: modeling_d3d imports this module
 
         self.cache = D3DCache()  # a new, empty drafter state for every `generate` call
-        self.stats = D3DGenerationStats()
+        self.stats = D3DGenerationStats(
+            asynchronous=self.asynchronous, num_hypotheses=self.num_hypotheses if self.asynchronous else 0
+        )
         drafter.last_generation_stats = self.stats
         self._draft_end = None
+        self._pending = None  # the packed pass in flight: (future or (result, cuda event), launch info)
 
     def _draft_device(self) -> torch.device:
         return self.drafter.model.embed_tokens.weight.device
@@ -147,25 +220,42 @@ class D3DCandidateGenerator(CandidateGenerator):
         start = time.perf_counter()
         cur_len = input_ids.shape[1]
         num_drafts = min(self.block_size - 1, self.max_length - cur_len - 1)
+        block_logits = self._use_packed_block(input_ids) if self._pending is not None else None
         if num_drafts <= 0:
             self._draft_end = time.perf_counter()
             self.stats.draft_seconds.append(self._draft_end - start)
             return input_ids, None
-        device = self._draft_device()
-        committed = input_ids[:, self.cache.get_seq_length() :].to(device)
-        logits = self.drafter.draft_logits(committed, self.cache)[:, :num_drafts].float()
+        if block_logits is None:
+            committed = input_ids[:, self.cache.get_seq_length() :].to(self._draft_device())
+            block_logits = self.drafter.draft_logits(committed, self.cache)[0]
+        block_logits = block_logits.float()
+        drafts, scores = self._choose_drafts(input_ids, block_logits[:num_drafts])
+        if drafts and self.asynchronous and cur_len + 1 < self.max_length:
+            self._launch_packed_pass(input_ids, drafts, scores, block_logits)
+        self._draft_end = time.perf_counter()
+        self.stats.draft_seconds.append(self._draft_end - start)
+        if not drafts:
+            return input_ids, None
+        self.stats.drafted_tokens += len(drafts)
+        candidate_ids = torch.cat([input_ids, torch.cat(drafts, dim=1).to(input_ids.device)], dim=1)
+        return candidate_ids, torch.stack(scores, dim=1)
 
-        sequence = input_ids.to(device)
+    def _choose_drafts(
+        self, input_ids: torch.LongTensor, logits: torch.FloatTensor
+    ) -> tuple[list[torch.LongTensor], list[torch.FloatTensor]]:
+        """Draft tokens (each `(1, 1)`) and their processed scores (each `(1, vocab_size)`) from block rows
+        `logits` of shape `(num_drafts, vocab_size)`; stops after an eos and before a stop-string-completing token."""
+        sequence = input_ids.to(logits.device)
         has_processors = self.logits_processor is not None and len(self.logits_processor) > 0
         if not has_processors:
             # no history-dependent processors: choose every draft token in one vectorised call
             if self.do_sample:
-                chosen = torch.multinomial(logits[0].softmax(dim=-1), num_samples=1).view(1, -1)
+                chosen = torch.multinomial(logits.softmax(dim=-1), num_samples=1).view(1, -1)
             else:
-                chosen = logits.argmax(dim=-1)
+                chosen = logits.argmax(dim=-1)[None]
         drafts, scores = [], []
-        for k in range(num_drafts):
-            step_scores = logits[:, k]
+        for k in range(logits.shape[0]):
+            step_scores = logits[k : k + 1]
             if has_processors:
                 step_scores = self.logits_processor(sequence, step_scores)
                 if self.do_sample:
@@ -184,13 +274,97 @@ class D3DCandidateGenerator(CandidateGenerator):
             scores.append(step_scores)
             if int(token) in self.eos_token_ids:
                 break
-        self._draft_end = time.perf_counter()
-        self.stats.draft_seconds.append(self._draft_end - start)
-        if not drafts:
-            return input_ids, None
-        self.stats.drafted_tokens += len(drafts)
-        candidate_ids = torch.cat([input_ids, torch.cat(drafts, dim=1).to(input_ids.device)], dim=1)
-        return candidate_ids, torch.stack(scores, dim=1)
+        return drafts, scores
+
+    def _launch_packed_pass(self, input_ids, drafts, scores, block_logits) -> None:
+        """Chooses the hypotheses and starts the packed successor-drafting pass off the critical path."""
+        device = self._draft_device()
+        pending = input_ids[:, self.cache.get_seq_length() :].to(device)  # committed but not cached yet
+        draft_ids = torch.cat(drafts, dim=1).to(device)
+        num_drafts = draft_ids.shape[1]
+        # drafter confidence of each draft under the distribution it was chosen from
+        confidences = torch.cat(scores, dim=0).softmax(dim=-1).gather(1, draft_ids.view(-1, 1).to(scores[0].device))
+        confidences = confidences.view(-1).tolist()
+        likelihoods, survive = [], 1.0
+        for m in range(num_drafts + 1):
+            likelihoods.append(survive * (1.0 - confidences[m]) if m < num_drafts else survive)
+            if m < num_drafts:
+                survive *= confidences[m]
+        # only outcomes that leave room for another round are worth a successor block
+        possible = [m for m in range(num_drafts + 1) if input_ids.shape[1] + m + 1 < self.max_length]
+        ranked = sorted(possible, key=lambda m: (-likelihoods[m], m))[: self.num_hypotheses]
+        lengths = sorted(ranked)
+        # bonus guesses: best token other than the rejected draft at position m + 1, or the next token if all pass
+        top2 = block_logits[: num_drafts + 1].topk(2, dim=-1).indices.tolist()
+        draft_list = draft_ids[0].tolist()
+        guesses = [top2[m][0] if m == num_drafts or top2[m][0] != draft_list[m] else top2[m][1] for m in lengths]
+        chain = torch.cat([pending, draft_ids], dim=1)
+        offset = pending.shape[1]
+        chain_lengths = [offset + m for m in lengths]
+        info = {"cur_len": input_ids.shape[1], "num_pending": offset, "chain": chain, "device": device}
+        start = time.perf_counter()
+        if device.type == "cuda":
+            stream = getattr(self, "_stream", None) or torch.cuda.Stream(device)
+            self._stream = stream
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                packed = self.drafter.packed_draft_logits(chain, self.cache, chain_lengths, guesses)
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._pending = ((packed, event), info)
+        else:
+            future = _executor().submit(self.drafter.packed_draft_logits, chain, self.cache, chain_lengths, guesses)
+            self._pending = (future, info)
+        self.stats.packed_seconds.append(time.perf_counter() - start)
+
+    def _join_packed_pass(self):
+        handle, info = self._pending
+        self._pending = None
+        if isinstance(handle, concurrent.futures.Future):
+            start = time.perf_counter()
+            packed = handle.result()
+            self.stats.packed_seconds[-1] += time.perf_counter() - start
+            return packed, info
+        packed, event = handle
+        current = torch.cuda.current_stream(info["device"])
+        current.wait_event(event)
+        for tensor in [packed.logits, *packed.key_states, *packed.value_states]:
+            tensor.record_stream(current)  # allocated on the side stream, used and freed on this one
+        return packed, info
+
+    def _use_packed_block(self, input_ids: torch.LongTensor) -> torch.FloatTensor | None:
+        """Joins the packed pass, extends the drafter cache with what the verification committed, and returns the
+        successor block's logits `(block_size, vocab_size)` on a hit (or a reused miss), else `None`."""
+        packed, info = self._join_packed_pass()
+        num_new = input_ids.shape[1] - info["cur_len"]  # accepted drafts + 1 bonus token
+        accepted = num_new - 1
+        num_chain = info["num_pending"] + accepted
+        chain = info["chain"]
+        if (
+            accepted < 0
+            or num_chain > chain.shape[1]
+            or not torch.equal(
+                chain[0, info["num_pending"] : num_chain].cpu(),
+                input_ids[0, info["cur_len"] : info["cur_len"] + accepted].cpu(),
+            )
+        ):
+            # not the round the pass was made for (cannot happen in transformers' loop): draft from scratch
+            self.stats.misses += 1
+            return None
+        bonus = int(input_ids[0, -1])
+        hypothesis = None
+        if num_chain in packed.hypothesis_chain_lengths:
+            hypothesis = packed.hypothesis_chain_lengths.index(num_chain)
+        if hypothesis is not None and packed.bonus_guesses[hypothesis] == bonus:
+            packed.commit(self.cache, num_chain, hypothesis)
+            self.stats.hits += 1
+            return packed.logits[hypothesis]
+        packed.commit(self.cache, num_chain)  # the chain's keys/values are right; the bonus token is drafted anew
+        if hypothesis is not None and self.reuse_on_miss:
+            self.stats.reused += 1
+            return packed.logits[hypothesis]
+        self.stats.misses += 1
+        return None
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches) -> None:
         """Records the outcome of one verification (`num_matches` accepted drafts, after transformers' eos and
@@ -302,6 +476,7 @@ def remove_generation_hook() -> None:
 
 
 __all__ = [
+    "ASYNC_OPTIONS",
     "D3DCandidateGenerator",
     "D3DGenerationStats",
     "SUPPORTED_TRANSFORMERS",

@@ -178,26 +178,35 @@ def _exact_two_token_distribution(target, ids, temperature, top_k):
     return p1[:, None] * p2
 
 
-def test_sampling_preserves_the_target_distribution():
-    """Chi-square goodness of fit of 2-token samples drawn with the drafter against the exact target law."""
+@pytest.mark.parametrize("options", [{}, {"d3d_async": True, "d3d_num_hypotheses": 4, "d3d_reuse_on_miss": True}],
+                         ids=["sync", "async"])
+def test_sampling_preserves_the_target_distribution(options):
+    """Chi-square goodness of fit of 2-token samples drawn with the drafter against the exact target law (in async
+    mode the second token's draft, after a rejected first draft, comes from the packed successor pass)."""
     vocab = 8
     target = tiny_target("qwen3", vocab_size=vocab, seed=11, sharpen=10.0)
     target.generation_config.eos_token_id = None
     drafter = D3DForDiffusionDrafting.from_autoregressive(target, num_layers=1, block_size=4)
+    for name, value in options.items():
+        setattr(drafter.generation_config, name, value)
     ids = torch.tensor([[3, 5, 4]])
     temperature, top_k = 0.9, 6
     exact = _exact_two_token_distribution(target, ids, temperature, top_k).flatten()
     torch.manual_seed(1234)
     n = 1500
     counts = torch.zeros(vocab * vocab)
-    rejected = 0
+    rejected = packed_used = 0
     for _ in range(n):
         out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, do_sample=True,
                               temperature=temperature, top_k=top_k, top_p=1.0, max_new_tokens=2, pad_token_id=0)
         a, b = out[0, -2:].tolist()
         counts[a * vocab + b] += 1
-        rejected += drafter.last_generation_stats.accepted_drafts < drafter.last_generation_stats.drafted_tokens
+        stats = drafter.last_generation_stats
+        rejected += stats.accepted_drafts < stats.drafted_tokens
+        packed_used += stats.hits + stats.reused
     assert rejected > n // 10, "the drafter must disagree with the target often enough to exercise rejection"
+    if options:
+        assert packed_used > n // 10, "the packed successor blocks must be used often enough to be tested"
     expected = exact * n
     keep = expected >= 5
     other_obs, other_exp = counts[~keep].sum(), expected[~keep].sum()

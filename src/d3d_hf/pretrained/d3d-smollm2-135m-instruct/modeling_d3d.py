@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import ModelOutput
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -62,6 +62,54 @@ class D3DCache:
         for i in range(len(self.key_cache)):
             self.key_cache[i] = self.key_cache[i][..., :max_length, :]
             self.value_cache[i] = self.value_cache[i][..., :max_length, :]
+
+
+class D3DPackedDraft:
+    """Result of one packed successor-drafting pass (`D3DForDiffusionDrafting.packed_draft_logits`).
+
+    Attributes:
+        logits (`torch.FloatTensor` of shape `(num_hypotheses, block_size, vocab_size)`): for hypothesis `h`, row `j`
+            scores draft token `e_{j+1}` of the successor block (row `block_size - 1` is one past the block), as the
+            rows of `draft_logits`.
+        hypothesis_chain_lengths (`list[int]`): chain tokens each hypothesis assumes committed.
+        bonus_guesses (`list[int]`): the first token `g_h` of each successor block (the guessed bonus token).
+        prefix_length (`int`): drafter cache length the pass was computed against.
+        key_states, value_states (`list[torch.Tensor]`): per layer, the packed tokens' keys/values, shape
+            `[1, num_key_value_heads, T, head_dim]`, kept so that committed tokens need no second forward.
+    """
+
+    def __init__(self, logits, hypothesis_chain_lengths, bonus_guesses, prefix_length, key_states, value_states):
+        self.logits = logits
+        self.hypothesis_chain_lengths = list(hypothesis_chain_lengths)
+        self.bonus_guesses = list(bonus_guesses)
+        self.prefix_length = prefix_length
+        self.key_states = key_states
+        self.value_states = value_states
+
+    def commit(self, cache: D3DCache, num_chain_tokens: int, hypothesis: int | None = None) -> None:
+        """Extends `cache` (which must still hold `prefix_length` positions) with the keys/values of the first
+        `num_chain_tokens` chain tokens and, when `hypothesis` is given, of that successor block's first token (its
+        bonus guess, which was committed): exactly what a causal pass over those tokens would have cached.
+
+        Raises:
+            ValueError: if the cache moved since the pass, or `num_chain_tokens` exceeds the hypothesis' chain.
+        """
+        if cache.get_seq_length() != self.prefix_length:
+            raise ValueError(
+                f"The drafter cache holds {cache.get_seq_length()} positions, the packed pass was made for "
+                f"{self.prefix_length}."
+            )
+        index = list(range(num_chain_tokens))
+        if hypothesis is not None:
+            if num_chain_tokens != self.hypothesis_chain_lengths[hypothesis]:
+                raise ValueError("A successor block can only be committed after its own hypothesis' chain.")
+            chain_length = self.key_states[0].shape[-2] - len(self.bonus_guesses) * self.logits.shape[1]
+            index.append(chain_length + hypothesis * self.logits.shape[1])
+        if not index:
+            return
+        index_t = torch.tensor(index, device=self.key_states[0].device)
+        for layer_idx, (keys, values) in enumerate(zip(self.key_states, self.value_states, strict=True)):
+            cache.update(keys.index_select(-2, index_t), values.index_select(-2, index_t), layer_idx)
 
 
 def causal_attention_mask(query_len: int, past_len: int, device: torch.device | str | None = None) -> torch.BoolTensor:
@@ -665,6 +713,9 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
         install_generation_hook()
+        # decoding options read by `D3DCandidateGenerator` unless the `GenerationConfig` of the call sets them
+        # (as transformers reads `num_assistant_tokens` from an assistant's generation config)
+        self.generation_config = GenerationConfig(d3d_async=False, d3d_reuse_on_miss=False)
         self.last_generation_stats = None
         self._attached_target = None
         if config.shares_target_weights:
@@ -856,6 +907,76 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         )
         cache.crop(past_len + num_committed)
         return outputs.logits
+
+    @torch.no_grad()
+    def packed_draft_logits(
+        self,
+        chain_ids: torch.LongTensor,
+        cache: D3DCache,
+        hypothesis_chain_lengths: list[int],
+        bonus_guesses: list[int],
+    ) -> D3DPackedDraft:
+        r"""
+        Packed successor drafting (arXiv 2611.06425; d3d-hf docs/DESIGN.md section 2): in one forward pass, drafts the
+        block that follows each of several possible verification outcomes of the block now being verified.
+
+        The packed sequence is the causal chain `chain_ids` (tokens committed since the drafter's cache was last
+        extended, then the drafts under verification) followed by one block `[g_h, MASK x (B-1)]` per hypothesis
+        `h`, where `g_h = bonus_guesses[h]` is placed right after the first `hypothesis_chain_lengths[h]` chain
+        tokens. Each block attends to the cached prefix, to its hypothesis' chain tokens and to itself (causal
+        first token, bidirectional masks); see `packed_attention_mask`. `cache` is not modified: the packed keys and
+        values are returned so that `D3DPackedDraft.commit` can extend the cache with what really got committed.
+
+        Args:
+            chain_ids (`torch.LongTensor` of shape `(1, chain_length)`): the chain (at least one token).
+            cache (`D3DCache`): the drafter's cache of the committed context before `chain_ids`.
+            hypothesis_chain_lengths (`list[int]`): per hypothesis, chain tokens it assumes committed (0..chain_length).
+            bonus_guesses (`list[int]`): per hypothesis, the guessed bonus token id `g_h`.
+
+        Returns:
+            `D3DPackedDraft` with `logits` of shape `(num_hypotheses, block_size, vocab_size)` in the model dtype.
+
+        Raises:
+            ValueError: for an empty chain, no hypotheses, mismatched lists, or a chain length out of range.
+        """
+        chain_length = chain_ids.shape[1]
+        if chain_length < 1 or not hypothesis_chain_lengths:
+            raise ValueError("A packed pass needs a non-empty chain and at least one hypothesis.")
+        if len(bonus_guesses) != len(hypothesis_chain_lengths):
+            raise ValueError("Pass one bonus guess per hypothesis.")
+        block_size = self.config.block_size
+        device = self.model.embed_tokens.weight.device
+        prefix_length = cache.get_seq_length()
+        segment_ids, positions, chain_lengths = packed_metadata(
+            chain_length, hypothesis_chain_lengths, block_size, device
+        )
+        num_blocks = len(hypothesis_chain_lengths)
+        blocks = torch.zeros((num_blocks, block_size), dtype=torch.long, device=device)
+        blocks[:, 0] = torch.tensor(bonus_guesses, dtype=torch.long, device=device)
+        input_ids = torch.cat([chain_ids.to(device)[0], blocks.flatten()])[None]
+        masked_positions = ((segment_ids > 0) & (positions > 0))[None]
+        # a block token sits right after its hypothesis' chain: position = prefix + chain length + index in block
+        position_ids = prefix_length + torch.where(segment_ids == 0, positions, chain_lengths + positions)[None]
+        attention_mask = packed_attention_mask(segment_ids, positions, chain_lengths, prefix_length)[None, None]
+        work = D3DCache()  # a shallow copy: `update` concatenates into new tensors, the caller's cache is untouched
+        work.key_cache, work.value_cache = list(cache.key_cache), list(cache.value_cache)
+        outputs = self(
+            input_ids=input_ids,
+            masked_positions=masked_positions,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=work,
+            use_cache=True,
+            logits_to_keep=num_blocks * block_size,
+        )
+        return D3DPackedDraft(
+            logits=outputs.logits[0].view(num_blocks, block_size, -1),
+            hypothesis_chain_lengths=hypothesis_chain_lengths,
+            bonus_guesses=bonus_guesses,
+            prefix_length=prefix_length,
+            key_states=[k[..., prefix_length:, :] for k in work.key_cache],
+            value_states=[v[..., prefix_length:, :] for v in work.value_cache],
+        )
 
     def build_candidate_generator(self, target=None, **kwargs) -> D3DCandidateGenerator:
         """Called by the patched `GenerationMixin._get_candidate_generator` of the target (see

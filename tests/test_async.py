@@ -1,0 +1,170 @@
+"""Asynchronous D3D (packed successor drafting during verification) on tiny random targets."""
+
+import pytest
+import torch
+from _tiny import random_prompt, tiny_target
+from d3d_hf.modeling.modeling_d3d import D3DCache, packed_attention_mask, packed_metadata
+from transformers import GenerationConfig
+
+from d3d_hf import D3DForDiffusionDrafting
+
+
+def _greedy(target, ids, drafter=None, max_new_tokens=40, **options):
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, **options)
+    return target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                           generation_config=config)
+
+
+def _perturbed_drafter(target, block_size, adapter_rank=4, seed=0):
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=block_size)
+    drafter.add_block_adapter(adapter_rank)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return drafter
+
+
+def test_packed_mask_rule_position_by_position():
+    """Chain causal; each block sees the prefix, its hypothesis' chain, its own anchor (causally) and itself."""
+    segment, position, chain_len = packed_metadata(3, [0, 2], 3)
+    mask = packed_attention_mask(segment, position, chain_len, prefix_length=2)
+    assert mask.shape == (3 + 2 * 3, 2 + 3 + 2 * 3)
+    assert mask[:, :2].all()
+    for t in range(mask.shape[0]):
+        for s in range(3 + 6):
+            seg_t, seg_s = int(segment[t]), int(segment[s])
+            if seg_s == 0:
+                expected = int(position[s]) < int(chain_len[t])
+            else:
+                expected = seg_s == seg_t and (int(position[t]) > 0 or int(position[s]) == 0)
+            assert bool(mask[t, 2 + s]) == expected, (t, s)
+    with pytest.raises(ValueError, match="chain length"):
+        packed_metadata(3, [4], 3)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_packed_pass_equals_synchronous_drafts_for_each_hypothesis(block_size):
+    target = tiny_target("qwen3")
+    drafter = _perturbed_drafter(target, block_size)
+    cache = D3DCache()
+    drafter.draft_logits(random_prompt(9), cache)
+    chain = torch.randint(3, 97, (1, block_size - 1), generator=torch.Generator().manual_seed(0))
+    lengths = sorted({0, 1, block_size // 2, block_size - 1})
+    guesses = [11 + h for h in range(len(lengths))]
+    packed = drafter.packed_draft_logits(chain, cache, lengths, guesses)
+    assert cache.get_seq_length() == 9 and packed.logits.shape == (len(lengths), block_size, 97)
+    for h, (m, g) in enumerate(zip(lengths, guesses, strict=True)):
+        reference_cache, committed_cache = D3DCache(), D3DCache()
+        for c in (reference_cache, committed_cache):
+            c.key_cache, c.value_cache = list(cache.key_cache), list(cache.value_cache)
+        reference = drafter.draft_logits(torch.cat([chain[:, :m], torch.tensor([[g]])], dim=1), reference_cache)
+        torch.testing.assert_close(packed.logits[h], reference[0], atol=1e-5, rtol=1e-5)
+        packed.commit(committed_cache, m, h)
+        assert committed_cache.get_seq_length() == reference_cache.get_seq_length() == 9 + m + 1
+        for a, b in zip(committed_cache.key_cache, reference_cache.key_cache, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("num_hypotheses", [1, 4, "B"])
+@pytest.mark.parametrize("reuse_on_miss", [False, True])
+def test_async_greedy_is_lossless(block_size, num_hypotheses, reuse_on_miss):
+    num_hypotheses = block_size if num_hypotheses == "B" else num_hypotheses
+    target = tiny_target(sharpen=4.0)
+    drafter = _perturbed_drafter(target, block_size)
+    for seed in range(3):
+        ids = random_prompt(5 + seed, seed=seed)
+        reference = _greedy(target, ids)
+        out = _greedy(target, ids, drafter, d3d_async=True, d3d_num_hypotheses=num_hypotheses,
+                      d3d_reuse_on_miss=reuse_on_miss)
+        assert torch.equal(out, reference)
+        stats = drafter.last_generation_stats
+        assert stats.asynchronous and stats.num_hypotheses == num_hypotheses
+        assert stats.new_tokens == reference.shape[1] - ids.shape[1]
+        assert stats.hits + stats.reused + stats.misses >= stats.rounds - 2
+
+
+class _OracleDrafter(D3DForDiffusionDrafting):
+    """Drafts the target's own continuation (`reference`), with the real cache mechanics of the parent class."""
+
+    reference: list[int] = []
+    corrupt_guesses = False
+
+    def _oracle(self, context_length, rows):
+        vocab = self.config.vocab_size
+        logits = torch.full((rows, vocab), -30.0)
+        for j in range(rows):
+            position = context_length + j
+            logits[j, self.reference[position] if position < len(self.reference) else 0] = 30.0
+        return logits
+
+    def draft_logits(self, committed_ids, cache, num_masks=None):
+        context = cache.get_seq_length() + committed_ids.shape[1]
+        logits = super().draft_logits(committed_ids, cache, num_masks)
+        return self._oracle(context, logits.shape[1])[None]
+
+    def packed_draft_logits(self, chain_ids, cache, hypothesis_chain_lengths, bonus_guesses):
+        if self.corrupt_guesses:  # a wrong bonus guess for every hypothesis: every round must miss
+            bonus_guesses = [(g + 1) % self.config.vocab_size for g in bonus_guesses]
+        packed = super().packed_draft_logits(chain_ids, cache, hypothesis_chain_lengths, bonus_guesses)
+        prefix = cache.get_seq_length()
+        packed.logits = torch.stack(
+            [self._oracle(prefix + m + 1, self.config.block_size) for m in hypothesis_chain_lengths]
+        )
+        return packed
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("forced", ["hit", "miss", "reuse"])
+def test_forced_hits_and_misses_stay_lossless(block_size, forced):
+    target = tiny_target(sharpen=4.0)
+    target.generation_config.eos_token_id = None
+    ids = random_prompt(6)
+    reference = _greedy(target, ids, max_new_tokens=50)
+    drafter = _OracleDrafter.from_autoregressive(target, block_size=block_size)
+    drafter.reference = reference[0].tolist()
+    drafter.corrupt_guesses = forced != "hit"
+    out = _greedy(target, ids, drafter, max_new_tokens=50, d3d_async=True, d3d_num_hypotheses=1,
+                  d3d_reuse_on_miss=forced == "reuse")
+    assert torch.equal(out, reference)
+    stats = drafter.last_generation_stats
+    assert stats.accepted_drafts == stats.drafted_tokens > 0  # every draft accepted
+    judged = stats.hits + stats.reused + stats.misses
+    assert judged >= stats.rounds - 2
+    expected = {"hit": "hits", "miss": "misses", "reuse": "reused"}[forced]
+    assert getattr(stats, expected) == judged, stats
+    if forced == "hit":
+        assert stats.hit_rate == 1.0
+
+
+def test_options_come_from_the_call_or_the_drafter():
+    target = tiny_target()
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    ids = random_prompt()
+    _greedy(target, ids, drafter, max_new_tokens=8)
+    assert not drafter.last_generation_stats.asynchronous
+    drafter.generation_config.d3d_async = True
+    drafter.generation_config.d3d_num_hypotheses = 2
+    _greedy(target, ids, drafter, max_new_tokens=8)
+    assert drafter.last_generation_stats.asynchronous and drafter.last_generation_stats.num_hypotheses == 2
+    _greedy(target, ids, drafter, max_new_tokens=8, d3d_async=False)
+    assert not drafter.last_generation_stats.asynchronous
+    with pytest.raises(ValueError, match="d3d_num_hypotheses"):
+        _greedy(target, ids, drafter, max_new_tokens=8, d3d_num_hypotheses=5)
+
+
+def test_async_never_exceeds_the_budget_and_stops_at_eos():
+    target = tiny_target(sharpen=4.0, seed=3)
+    drafter = _perturbed_drafter(target, 8)
+    ids = random_prompt(6, seed=1)
+    for max_new_tokens in (1, 2, 3, 7, 9):
+        reference = _greedy(target, ids, max_new_tokens=max_new_tokens)
+        out = _greedy(target, ids, drafter, max_new_tokens=max_new_tokens, d3d_async=True, d3d_num_hypotheses=8)
+        assert torch.equal(out, reference)
+    continuation = _greedy(target, ids, max_new_tokens=30)[0, ids.shape[1] :].tolist()
+    for stop_index in (0, 3, 9):
+        target.generation_config.eos_token_id = continuation[stop_index]
+        reference = _greedy(target, ids, max_new_tokens=30)
+        out = _greedy(target, ids, drafter, max_new_tokens=30, d3d_async=True, d3d_num_hypotheses=8)
+        assert torch.equal(out, reference)
