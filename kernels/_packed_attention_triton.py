@@ -96,9 +96,9 @@ def _packed_attention_fwd_kernel(
     num_kv_heads,
     num_tokens,
     prefix_length,
-    head_dim,
     tiles_per_split,
     qk_scale,
+    HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -120,7 +120,7 @@ def _packed_attention_fwd_kernel(
     tok = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < head_dim
+    d_ok = offs_d < HEAD_DIM
 
     q_ptrs = Q + b * stride_qb + head[:, None] * stride_qh + tok[:, None] * stride_qt + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -187,7 +187,7 @@ def _packed_attention_fwd_kernel(
         flat = ((split * batch_size + b) * num_heads + head) * num_tokens + tok
         tl.store(PartialMax + flat, m_i, mask=row_ok)
         tl.store(PartialSum + flat, l_i, mask=row_ok)
-        acc_ptrs = PartialAcc + flat[:, None] * head_dim + offs_d[None, :]
+        acc_ptrs = PartialAcc + flat[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(acc_ptrs, acc, mask=row_ok[:, None] & d_ok[None, :])
     else:
         # A row that may attend to nothing (impossible for packed_metadata's metadata) gives zeros, not NaN.
@@ -212,7 +212,7 @@ def _packed_attention_merge_kernel(
     num_rows,
     num_heads,
     num_tokens,
-    head_dim,
+    HEAD_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -220,7 +220,7 @@ def _packed_attention_merge_kernel(
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < head_dim
+    d_ok = offs_d < HEAD_DIM
     m = tl.full([BLOCK_R], _NO_MAX, dtype=tl.float32)
     l_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
@@ -228,7 +228,7 @@ def _packed_attention_merge_kernel(
         flat = split * num_rows + rows
         m_s = tl.load(PartialMax + flat, mask=row_ok, other=_NO_MAX)
         l_s = tl.load(PartialSum + flat, mask=row_ok, other=0.0)
-        acc_s = tl.load(PartialAcc + flat[:, None] * head_dim + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :])
+        acc_s = tl.load(PartialAcc + flat[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :])
         m_new = tl.maximum(m, m_s)
         alpha = tl.exp2(m - m_new)
         beta = tl.exp2(m_s - m_new)
@@ -262,6 +262,50 @@ def default_num_splits(
     return max(1, min(wanted, num_prefix_tiles // min_tiles_per_split, 64))
 
 
+def launch_config(
+    batch_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    num_tokens: int,
+    prefix_length: int,
+    head_dim: int,
+    device: torch.device,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+) -> dict[str, int]:
+    """Tile sizes and prefix splits `launch` uses for these sizes: `block_m`, `block_n`, `block_d`, `num_splits`,
+    `tiles_per_split` (prefix key tiles per split; the last split also takes the packed keys). `None` picks the
+    default; tile sizes must be powers of two >= 16 (a `tl.dot` operand needs 16 rows/columns)."""
+    group = num_heads // num_kv_heads
+    block_d = max(16, _next_power_of_2(head_dim))
+    if block_n is None:
+        block_n = 64 if block_d <= 128 else 32
+    if block_m is None:
+        block_m = min(64, max(16, _next_power_of_2(num_tokens * group)))
+    for name, size in (("block_m", block_m), ("block_n", block_n)):
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"`{name}` must be a power of two >= 16, got {size}.")
+    num_m_tiles = triton.cdiv(num_tokens * group, block_m)
+    num_prefix_tiles = triton.cdiv(prefix_length, block_n)
+    if num_splits is None:
+        num_splits = default_num_splits(device, num_m_tiles * batch_size * num_kv_heads, num_prefix_tiles)
+    if num_splits < 1:
+        raise ValueError(f"`num_splits` must be >= 1, got {num_splits}.")
+    # No empty splits: every split but the last gets `tiles_per_split` prefix tiles.
+    tiles_per_split = max(1, triton.cdiv(num_prefix_tiles, num_splits))
+    num_splits = max(1, min(num_splits, triton.cdiv(num_prefix_tiles, tiles_per_split)))
+    return {
+        "block_m": block_m,
+        "block_n": block_n,
+        "block_d": block_d,
+        "num_m_tiles": num_m_tiles,
+        "num_splits": num_splits,
+        "tiles_per_split": tiles_per_split,
+    }
+
+
 def launch(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -278,29 +322,26 @@ def launch(
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> int:
-    """Runs the kernels on validated inputs, writing `out` (`[B, H, T, D]`, any strides). Returns the number of
-    prefix splits used. Tile sizes must be powers of two >= 16 (a `tl.dot` operand needs 16 rows/columns)."""
+    """Runs the kernels on validated inputs, writing `out` (`[B, H, T, D]`, any strides); the knobs are those of
+    `launch_config`. Returns the number of prefix splits used."""
     batch_size, num_heads, num_tokens, head_dim = query.shape
-    num_kv_heads, total_keys = key.shape[1], key.shape[2]
-    prefix_length = total_keys - num_tokens
+    num_kv_heads = key.shape[1]
+    prefix_length = key.shape[2] - num_tokens
     group = num_heads // num_kv_heads
-    block_d = max(16, _next_power_of_2(head_dim))
-    if block_n is None:
-        block_n = 64 if block_d <= 128 else 32
-    if block_m is None:
-        block_m = min(64, max(16, _next_power_of_2(num_tokens * group)))
-    for name, size in (("block_m", block_m), ("block_n", block_n)):
-        if size < 16 or size & (size - 1):
-            raise ValueError(f"`{name}` must be a power of two >= 16, got {size}.")
-    num_m_tiles = triton.cdiv(num_tokens * group, block_m)
-    num_prefix_tiles = triton.cdiv(prefix_length, block_n)
-    if num_splits is None:
-        num_splits = default_num_splits(query.device, num_m_tiles * batch_size * num_kv_heads, num_prefix_tiles)
-    if num_splits < 1:
-        raise ValueError(f"`num_splits` must be >= 1, got {num_splits}.")
-    # No empty splits: every split but the last gets `tiles_per_split` prefix tiles.
-    tiles_per_split = max(1, triton.cdiv(num_prefix_tiles, num_splits))
-    num_splits = max(1, min(num_splits, triton.cdiv(num_prefix_tiles, tiles_per_split)))
+    config = launch_config(
+        batch_size,
+        num_heads,
+        num_kv_heads,
+        num_tokens,
+        prefix_length,
+        head_dim,
+        query.device,
+        block_m=block_m,
+        block_n=block_n,
+        num_splits=num_splits,
+    )
+    block_m, block_n, block_d = config["block_m"], config["block_n"], config["block_d"]
+    num_splits, tiles_per_split = config["num_splits"], config["tiles_per_split"]
     split = num_splits > 1
     if split:
         rows = batch_size * num_heads * num_tokens
@@ -314,7 +355,7 @@ def launch(
         launch_options["num_warps"] = num_warps
     if num_stages is not None:
         launch_options["num_stages"] = num_stages
-    grid = (num_m_tiles, batch_size * num_kv_heads, num_splits)
+    grid = (config["num_m_tiles"], batch_size * num_kv_heads, num_splits)
     _packed_attention_fwd_kernel[grid](
         query,
         key,
@@ -334,9 +375,9 @@ def launch(
         num_kv_heads,
         num_tokens,
         prefix_length,
-        head_dim,
         tiles_per_split,
         scale * _LOG2E,
+        HEAD_DIM=head_dim,
         GROUP=group,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -363,7 +404,7 @@ def launch(
             rows,
             num_heads,
             num_tokens,
-            head_dim,
+            HEAD_DIM=head_dim,
             BLOCK_R=block_r,
             BLOCK_D=block_d,
         )
