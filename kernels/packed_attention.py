@@ -4,7 +4,8 @@ The packed pass (d3d-hf docs/DESIGN.md section 2) drafts the successor block of 
 (hypotheses) in one forward: a causal chain of tokens followed by one successor block per hypothesis, after the
 drafter's cached prefix. Its attention mask is a function of three small per-token tensors
 (`d3d_hf.modeling.modeling_d3d.packed_metadata`), so the Triton kernel computes it on the fly instead of reading a
-dense `[T, P + T]` mask (DESIGN.md section 5). Forward (inference) only: no autograd.
+dense `[T, P + T]` mask (DESIGN.md section 5). The Triton kernel is forward (inference) only; the naive reference is
+differentiable.
 """
 
 from __future__ import annotations
@@ -114,6 +115,10 @@ def packed_attention_naive(
     return out.masked_fill(~mask.any(dim=-1)[:, None], 0.0)
 
 
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def triton_unavailable_reason(device: torch.device | str) -> str | None:
     """Why the Triton kernel cannot run on tensors of `device`, or `None` when it can.
 
@@ -177,12 +182,18 @@ def packed_attention_triton(
         num_warps, num_stages (`int`, *optional*): Triton launch options (Triton's defaults when `None`).
 
     Raises:
-        RuntimeError: if Triton cannot run on these tensors (`triton_unavailable_reason` says why).
+        RuntimeError: if Triton cannot run on these tensors (`triton_unavailable_reason` says why), or if autograd
+            would need gradients through it (the kernel is forward only).
     """
     _check_inputs(query, key, value, segment_ids, positions, chain_lengths, scale)
     reason = triton_unavailable_reason(query.device)
     if reason is not None:
         raise RuntimeError(f"packed_attention(backend='triton') cannot run: {reason}")
+    if _needs_grad(query, key, value):
+        raise RuntimeError(
+            "The Triton packed-attention kernel is forward only (no backward); run it under torch.no_grad() or "
+            "torch.inference_mode(), or use backend='naive' (or 'auto', which does) when gradients are needed."
+        )
     head_dim = query.shape[-1]
     if head_dim > _MAX_TRITON_HEAD_DIM:
         raise ValueError(f"The Triton kernel supports head_dim <= {_MAX_TRITON_HEAD_DIM}, got {head_dim}.")
@@ -233,7 +244,8 @@ def packed_attention(
     0`) and `positions[t] > 0 or positions[s] == 0`: exactly `packed_attention_mask(segment_ids, positions,
     chain_lengths, P)` of `d3d_hf.modeling.modeling_d3d` (key index `P + j` is packed token `j`). The Triton kernel
     computes this rule from the metadata on the fly, flash-attention style (online softmax, arXiv 2205.14135), and
-    never materialises the dense mask. Forward only (inference; no autograd).
+    never materialises the dense mask. The Triton kernel is forward only (inference): with grad mode on and an input
+    that requires grad, `"auto"` uses the naive backend (differentiable) and `"triton"` raises.
 
     Args:
         query (`torch.Tensor` of shape `(batch_size, num_heads, T, head_dim)`): queries of the `T` packed tokens.
@@ -248,7 +260,8 @@ def packed_attention(
         scale (`float`, *optional*): softmax scale; defaults to `head_dim ** -0.5`.
         backend (`str`, *optional*, defaults to `"auto"`): `"naive"` (dense mask + PyTorch SDPA,
             `packed_attention_naive`), `"triton"` (`packed_attention_triton`: CUDA tensors, or CPU tensors under
-            `TRITON_INTERPRET=1`) or `"auto"` (Triton for CUDA tensors when Triton imports, else naive).
+            `TRITON_INTERPRET=1`) or `"auto"` (Triton for CUDA tensors when Triton imports and no gradient is needed,
+            else naive).
 
     Returns:
         `torch.Tensor` of shape `(batch_size, num_heads, T, head_dim)` in `query`'s dtype. Softmax statistics and
@@ -259,8 +272,8 @@ def packed_attention(
     Raises:
         ValueError: on an unknown `backend`; shapes, dtypes or devices that do not match the description above;
             metadata that is not a 1-D integer tensor of length `T`; a non-finite `scale`.
-        RuntimeError: with `backend="triton"`, when Triton cannot run: not installed, or the tensors are not on CUDA
-            and `TRITON_INTERPRET` is not set to 1.
+        RuntimeError: with `backend="triton"`, when Triton cannot run (not installed, or the tensors are not on CUDA
+            and `TRITON_INTERPRET` is not set to 1), or when an input requires grad with grad mode on (forward only).
 
     Example:
         >>> from d3d_hf.modeling.modeling_d3d import packed_metadata
@@ -273,7 +286,11 @@ def packed_attention(
     if backend not in BACKENDS:
         raise ValueError(f"`backend` must be one of {BACKENDS}, got {backend!r}.")
     if backend == "auto":
-        use_triton = query.device.type == "cuda" and triton_unavailable_reason(query.device) is None
+        use_triton = (
+            query.device.type == "cuda"
+            and not _needs_grad(query, key, value)
+            and triton_unavailable_reason(query.device) is None
+        )
         backend = "triton" if use_triton else "naive"
     if backend == "triton":
         return packed_attention_triton(query, key, value, segment_ids, positions, chain_lengths, scale=scale)

@@ -233,6 +233,19 @@ def test_triton_on_cpu_without_interpreter_raises(monkeypatch):
     assert torch.equal(packed_attention(**_bad_inputs()), packed_attention(**_bad_inputs(), backend="naive"))
 
 
+def test_triton_is_forward_only():
+    args = _bad_inputs()
+    args["query"].requires_grad_(True)
+    with pytest.raises(RuntimeError, match="forward only"):
+        packed_attention(**args, backend="triton")
+    packed_attention(**args).sum().backward()  # auto picks the differentiable naive backend
+    assert args["query"].grad is not None
+    with torch.no_grad():
+        torch.testing.assert_close(
+            packed_attention(**args, backend="triton"), packed_attention(**args, backend="naive")
+        )
+
+
 def test_triton_not_installed_raises(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` fail
     with pytest.raises(RuntimeError, match="not installed"):
