@@ -251,3 +251,32 @@ def test_triton_not_installed_raises(monkeypatch):
     with pytest.raises(RuntimeError, match="not installed"):
         packed_attention(**_bad_inputs(), backend="triton")
     assert packed_attention(**_bad_inputs()).shape == (1, 4, 5, 16)  # auto falls back to naive
+
+
+def test_drafter_packed_pass_uses_the_kernel_and_matches_the_dense_mask(monkeypatch):
+    """`D3DForDiffusionDrafting.packed_draft_logits` through the kernel equals the dense-mask path."""
+    import d3d_hf.kernels
+    from d3d_hf.modeling.modeling_d3d import D3DCache
+
+    from d3d_hf import D3DForDiffusionDrafting
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _tiny import random_prompt, tiny_target
+
+    drafter = D3DForDiffusionDrafting.from_autoregressive(tiny_target("qwen3"), block_size=4).to(DEVICE)
+    cache = D3DCache()
+    drafter.draft_logits(random_prompt(9).to(DEVICE), cache)
+    chain = torch.tensor([[5, 6, 7]], device=DEVICE)
+    calls = []
+    kernel = d3d_hf.kernels.packed_attention
+    monkeypatch.setattr(d3d_hf.kernels, "packed_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    with_kernel = drafter.packed_draft_logits(chain, cache, [0, 2, 3], [11, 12, 13])
+    assert len(calls) == drafter.config.num_hidden_layers
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if DEVICE == "cuda":
+        monkeypatch.setattr(d3d_hf.kernels, "triton_unavailable_reason", lambda device: "dense path for the test")
+    dense = drafter.packed_draft_logits(chain, cache, [0, 2, 3], [11, 12, 13])
+    assert len(calls) == drafter.config.num_hidden_layers
+    torch.testing.assert_close(with_kernel.logits, dense.logits, atol=1e-4, rtol=1e-4)
+    for a, b in zip(with_kernel.key_states, dense.key_states, strict=True):
+        torch.testing.assert_close(a, b)

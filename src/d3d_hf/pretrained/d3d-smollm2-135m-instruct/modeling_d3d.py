@@ -348,6 +348,19 @@ class D3DRotaryEmbedding(nn.Module):
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
+def _packed_attention_kernel(device: torch.device):
+    """`d3d_hf.kernels.packed_attention` when it can run as a Triton kernel on `device` (CUDA, or CPU under Triton's
+    interpreter when `TRITON_INTERPRET=1`, for tests; Triton and d3d_hf installed), else `None` (the packed pass then
+    uses a dense boolean mask)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    try:
+        from d3d_hf.kernels import packed_attention, triton_unavailable_reason
+    except ImportError:
+        return None
+    return packed_attention if triton_unavailable_reason(device) is None else None
+
+
 class D3DAttention(nn.Module):
     """Grouped-query self-attention with RoPE and optional Qwen3-style per-head q/k RMSNorm."""
 
@@ -389,6 +402,14 @@ class D3DAttention(nn.Module):
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+        if isinstance(attention_mask, tuple):
+            # packed successor pass with the Triton kernel: the tree mask is computed in the kernel from
+            # (segment_ids, positions, chain_lengths); see `packed_attention_mask` for the rule
+            kernel = _packed_attention_kernel(query_states.device)
+            attn_output = kernel(query_states, key_states, value_states, *attention_mask, scale=self.scaling)
+            attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1).contiguous()
+            return self.o_proj(attn_output, block_gate), None
 
         attention_interface: Callable = eager_attention_forward
         if self.config._attn_implementation not in (None, "eager"):
@@ -597,6 +618,7 @@ class D3DModel(D3DPreTrainedModel):
         use_cache: bool = False,
         output_hidden_states: bool = False,
         block_positions: torch.BoolTensor | None = None,
+        packed_metadata: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> D3DModelOutput:
         r"""
         Args:
@@ -622,6 +644,10 @@ class D3DModel(D3DPreTrainedModel):
             block_positions (`torch.BoolTensor` of shape `(batch_size, seq_len)`, *optional*):
                 Positions that belong to a draft block, where the block adapters (`block_lora_rank > 0`) apply;
                 defaults to `masked_positions`.
+            packed_metadata (`tuple` of three `torch.LongTensor` of shape `(seq_len,)`, *optional*):
+                `(segment_ids, positions, chain_lengths)` of a packed successor-drafting pass (`packed_metadata`):
+                the attention mask is then `packed_attention_mask` of them (pass no `attention_mask`), computed
+                inside the Triton kernel of `d3d_hf.kernels` on CUDA when available, else materialised.
 
         Returns:
             `D3DModelOutput` with `last_hidden_state` of shape `(batch_size, seq_len, hidden_size)`.
@@ -651,7 +677,16 @@ class D3DModel(D3DPreTrainedModel):
             position_ids = torch.arange(past_len, past_len + seq_len, device=device)[None].expand(batch_size, -1)
 
         key_len = past_len + seq_len
-        if attention_mask is None:
+        if packed_metadata is not None:
+            if attention_mask is not None:
+                raise ValueError("Pass either `packed_metadata` or `attention_mask`, not both.")
+            if _packed_attention_kernel(device) is not None and batch_size == 1:
+                attention_mask = tuple(packed_metadata)  # the kernel computes the mask from the metadata
+            else:
+                attention_mask = packed_attention_mask(*packed_metadata, past_len)[None, None]
+        if isinstance(attention_mask, tuple):
+            pass
+        elif attention_mask is None:
             attention_mask = causal_attention_mask(seq_len, past_len, device)
         elif attention_mask.dim() == 2:
             if attention_mask.shape[-1] != key_len:
@@ -665,7 +700,8 @@ class D3DModel(D3DPreTrainedModel):
                 f"A 4-D `attention_mask` must have shape (batch_size, 1, {seq_len}, {key_len}), got "
                 f"{tuple(attention_mask.shape)}."
             )
-        attention_mask = attention_mask.to(device=device, dtype=torch.bool).expand(batch_size, -1, -1, -1)
+        if not isinstance(attention_mask, tuple):
+            attention_mask = attention_mask.to(device=device, dtype=torch.bool).expand(batch_size, -1, -1, -1)
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
@@ -831,6 +867,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         output_hidden_states: bool = False,
         logits_to_keep: int = 0,
         block_positions: torch.BoolTensor | None = None,
+        packed_metadata: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> D3DModelOutput:
         r"""
         Runs the drafter. Arguments as in `D3DModel.forward`, plus:
@@ -856,6 +893,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             block_positions=block_positions,
+            packed_metadata=packed_metadata,
         )
         hidden_states = outputs.last_hidden_state
         if logits_to_keep:
@@ -926,6 +964,8 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         tokens. Each block attends to the cached prefix, to its hypothesis' chain tokens and to itself (causal
         first token, bidirectional masks); see `packed_attention_mask`. `cache` is not modified: the packed keys and
         values are returned so that `D3DPackedDraft.commit` can extend the cache with what really got committed.
+        On CUDA with Triton and d3d_hf installed, attention runs in the packed-attention kernel of `d3d_hf.kernels`
+        (mask computed from per-token metadata, none materialised); elsewhere through a dense boolean mask.
 
         Args:
             chain_ids (`torch.LongTensor` of shape `(1, chain_length)`): the chain (at least one token).
@@ -957,13 +997,12 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         masked_positions = ((segment_ids > 0) & (positions > 0))[None]
         # a block token sits right after its hypothesis' chain: position = prefix + chain length + index in block
         position_ids = prefix_length + torch.where(segment_ids == 0, positions, chain_lengths + positions)[None]
-        attention_mask = packed_attention_mask(segment_ids, positions, chain_lengths, prefix_length)[None, None]
         work = D3DCache()  # a shallow copy: `update` concatenates into new tensors, the caller's cache is untouched
         work.key_cache, work.value_cache = list(cache.key_cache), list(cache.value_cache)
         outputs = self(
             input_ids=input_ids,
             masked_positions=masked_positions,
-            attention_mask=attention_mask,
+            packed_metadata=(segment_ids, positions, chain_lengths),
             position_ids=position_ids,
             past_key_values=work,
             use_cache=True,
