@@ -117,11 +117,12 @@ class D3DCandidateGenerator(CandidateGenerator):
     **Asynchronous rounds** (`d3d_async=True`, arXiv 2611.06425). Right after handing a block to the target, the
     drafter runs one packed pass (`D3DForDiffusionDrafting.packed_draft_logits`) that drafts the *successor* block for
     the `d3d_num_hypotheses` most likely verification outcomes, while the target verifies: on a worker thread on
-    CPU, on a side CUDA stream (joined with an event) on GPU. Hypotheses are acceptance lengths `m`, ranked by the
-    drafter's own confidences `q_j` of its drafts: `P(m) = q_1 ... q_m (1 - q_{m+1})` (and `q_1 ... q_k` for all
-    `k` accepted); each gets a bonus guess `g_m`, the best token at position `m + 1` other than the rejected
-    `d_{m+1}` (the drafter's next-token guess when all drafts are accepted). When the real outcome `(m*, b*)` is a
-    hypothesis with `g_{m*} == b*` (a hit), the pre-drafted block is used and the drafter cache is extended with the
+    CPU, on a side CUDA stream (joined with an event) on GPU. A hypothesis is a verification outcome `(m, g)`: `m`
+    drafts accepted and bonus token `g`. They are ranked by their likelihood under the drafter, `q_1 ... q_m *
+    q_{m+1}(g)` with `q_j` the drafter's confidence in draft `d_j` and `g != d_{m+1}` (the rejected draft; any `g`
+    when all `k` drafts pass, from the drafter's guess one past the block), and the `d3d_num_hypotheses` likeliest
+    get a successor block `[g, MASK x (B-1)]` (several guesses may share one `m`). When the real outcome `(m*, b*)` is a
+    hypothesis (a hit), the pre-drafted block is used and the drafter cache is extended with the
     packed keys/values of what was committed; otherwise the round drafts synchronously (a miss), or, with
     `d3d_reuse_on_miss=True`, uses the block drafted for `m*` although its bonus guess was wrong. Every token is
     still verified by the target, so hits change speed, never output.
@@ -284,20 +285,26 @@ class D3DCandidateGenerator(CandidateGenerator):
         num_drafts = draft_ids.shape[1]
         # drafter confidence of each draft under the distribution it was chosen from
         confidences = torch.cat(scores, dim=0).softmax(dim=-1).gather(1, draft_ids.view(-1, 1).to(scores[0].device))
-        confidences = confidences.view(-1).tolist()
-        likelihoods, survive = [], 1.0
-        for m in range(num_drafts + 1):
-            likelihoods.append(survive * (1.0 - confidences[m]) if m < num_drafts else survive)
-            if m < num_drafts:
-                survive *= confidences[m]
-        # only outcomes that leave room for another round are worth a successor block
-        possible = [m for m in range(num_drafts + 1) if input_ids.shape[1] + m + 1 < self.max_length]
-        ranked = sorted(possible, key=lambda m: (-likelihoods[m], m))[: self.num_hypotheses]
-        lengths = sorted(ranked)
-        # bonus guesses: best token other than the rejected draft at position m + 1, or the next token if all pass
-        top2 = block_logits[: num_drafts + 1].topk(2, dim=-1).indices.tolist()
+        survive = [1.0]  # survive[m]: probability that the first m drafts are accepted
+        for confidence in confidences.view(-1).tolist():
+            survive.append(survive[-1] * confidence)
+        # a hypothesis is an outcome (m accepted drafts, bonus token g); its likelihood under the drafter is
+        # survive[m] * q_{m+1}(g) with g != d_{m+1} (the rejected draft), or survive[k] * q_{k+1}(g) when all k pass
+        probs = block_logits[: num_drafts + 1].softmax(dim=-1)
+        top_probs, top_ids = probs.topk(min(self.num_hypotheses + 1, probs.shape[-1]), dim=-1)
         draft_list = draft_ids[0].tolist()
-        guesses = [top2[m][0] if m == num_drafts or top2[m][0] != draft_list[m] else top2[m][1] for m in lengths]
+        candidates = []
+        for m in range(num_drafts + 1):
+            if input_ids.shape[1] + m + 1 >= self.max_length:
+                break  # no round after this outcome: nothing to pre-draft
+            for p, g in zip(top_probs[m].tolist(), top_ids[m].tolist(), strict=True):
+                if m == num_drafts or g != draft_list[m]:
+                    candidates.append((survive[m] * p, m, g))
+        if not candidates:
+            return
+        chosen = sorted(sorted(candidates, key=lambda c: -c[0])[: self.num_hypotheses], key=lambda c: (c[1], -c[0]))
+        lengths = [m for _, m, _ in chosen]
+        guesses = [g for _, _, g in chosen]
         chain = torch.cat([pending, draft_ids], dim=1)
         offset = pending.shape[1]
         chain_lengths = [offset + m for m in lengths]
@@ -352,10 +359,10 @@ class D3DCandidateGenerator(CandidateGenerator):
             self.stats.misses += 1
             return None
         bonus = int(input_ids[0, -1])
-        hypothesis = None
-        if num_chain in packed.hypothesis_chain_lengths:
-            hypothesis = packed.hypothesis_chain_lengths.index(num_chain)
-        if hypothesis is not None and packed.bonus_guesses[hypothesis] == bonus:
+        outcome = [h for h, length in enumerate(packed.hypothesis_chain_lengths) if length == num_chain]
+        right = [h for h in outcome if packed.bonus_guesses[h] == bonus]
+        hypothesis = right[0] if right else (outcome[0] if outcome else None)  # the likeliest guess comes first
+        if right:
             packed.commit(self.cache, num_chain, hypothesis)
             self.stats.hits += 1
             return packed.logits[hypothesis]
