@@ -66,11 +66,25 @@ class OracleDrafter(D3DForDiffusionDrafting):
 
 def build(args):
     if args.tiny:
-        config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+        config = LlamaConfig(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+        )
     else:  # ~1.1B parameters, Llama layout
-        config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                             num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=8192)
+        config = LlamaConfig(
+            vocab_size=32000,
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=22,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            max_position_embeddings=8192,
+        )
     config.eos_token_id = None
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
@@ -124,30 +138,40 @@ def main() -> None:
                 times.append(seconds)
             seconds = sorted(times)[len(times) // 2]
             stats = drafter.last_generation_stats if name != "target" else None
-            rows.append({
-                "accept": accept, "method": name, "seconds": seconds, "tokens_per_second": new_tokens / seconds,
-                "tau": stats.tau if stats else 1.0, "hit_rate": stats.hit_rate if stats else None,
-                "draft_ms": 1e3 * sum(stats.draft_seconds) / stats.rounds if stats else None,
-                "verify_ms": 1e3 * sum(stats.verify_seconds) / stats.rounds if stats else None,
-            })
+            rows.append(
+                {
+                    "accept": accept,
+                    "method": name,
+                    "seconds": seconds,
+                    "tokens_per_second": new_tokens / seconds,
+                    "tau": stats.tau if stats else 1.0,
+                    "hit_rate": stats.hit_rate if stats else None,
+                    "draft_ms": 1e3 * sum(stats.draft_seconds) / stats.rounds if stats else None,
+                    "verify_ms": 1e3 * sum(stats.verify_seconds) / stats.rounds if stats else None,
+                }
+            )
             base = next(r for r in rows if r["accept"] == accept and r["method"] == "target")
             rows[-1]["speedup"] = rows[-1]["tokens_per_second"] / base["tokens_per_second"]
             print(json.dumps(rows[-1]), flush=True)
     environment = {
-        "torch": torch.__version__, "device": torch.cuda.get_device_name(0) if ARGS.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if ARGS.device == "cuda" else "cpu",
         "python": platform.python_version(),
         "target_parameters": sum(p.numel() for p in target.parameters()),
         "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
     }
-    (output / "async_engine.json").write_text(json.dumps({"settings": vars(ARGS), "environment": environment,
-                                                          "rows": rows}, indent=2))
+    (output / "async_engine.json").write_text(
+        json.dumps({"settings": vars(ARGS), "environment": environment, "rows": rows}, indent=2)
+    )
     lines = ["| accept | method | tokens/s | speed-up | tau | hit rate | draft ms | verify ms |", "|" + "---|" * 8]
     for r in rows:
         hit = "" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}"
         draft = "" if r["draft_ms"] is None else f"{r['draft_ms']:.2f}"
         verify = "" if r["verify_ms"] is None else f"{r['verify_ms']:.2f}"
-        lines.append(f"| {r['accept']} | {r['method']} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | "
-                     f"{r['tau']:.2f} | {hit} | {draft} | {verify} |")
+        lines.append(
+            f"| {r['accept']} | {r['method']} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | "
+            f"{r['tau']:.2f} | {hit} | {draft} | {verify} |"
+        )
     (output / "async_engine.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
