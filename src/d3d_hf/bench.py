@@ -154,6 +154,9 @@ class BenchMethod:
             after the call; `None` for plain decoding (one round per token, nothing split).
         requires (`tuple[str, ...]`): resource names that must be given (e.g. `("drafter",)`).
         settings (`Callable[[Mapping], dict]`, *optional*): method settings to record in the results.
+        cost_model (`str`, *optional*): which speed-up formula of `d3d_hf.costmodel` predicts this method:
+            `"sync"` (D3D drafter timings), `"async"` (D3D timings and the hit rate), `"rounds"` (the measured
+            draft time per round), or `None` (no prediction).
     """
 
     name: str
@@ -162,6 +165,7 @@ class BenchMethod:
     read_stats: Callable[[Mapping[str, Any], RoundRecorder], RoundStats] | None = None
     requires: tuple[str, ...] = ()
     settings: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    cost_model: str | None = None
 
 
 def d3d_round_stats(stats) -> RoundStats:
@@ -240,6 +244,7 @@ register_method(
             "prompt_lookup_num_tokens": int(r.get("prompt_lookup_num_tokens", 10)),
             "max_matching_ngram_size": int(r.get("max_matching_ngram_size", 2)),
         },
+        cost_model="rounds",
     )
 )
 register_method(
@@ -250,6 +255,7 @@ register_method(
         read_stats=lambda r, recorder: recorder.stats(),
         requires=("assistant",),
         settings=_assistant_settings,
+        cost_model="rounds",
     )
 )
 register_method(
@@ -260,6 +266,7 @@ register_method(
         read_stats=lambda r, recorder: d3d_round_stats(r["drafter"].last_generation_stats),
         requires=("drafter",),
         settings=_d3d_settings,
+        cost_model="sync",
     )
 )
 
