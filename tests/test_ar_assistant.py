@@ -3,9 +3,12 @@ transformers' assisted generation (`ar-assist`) uses."""
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
+
 import pytest
 import torch
-from _tiny import random_prompt, tiny_target
+from _tiny import random_prompt, tiny_target, tiny_tokenizer
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM
 
@@ -13,6 +16,9 @@ from d3d_hf import D3DForDiffusionDrafting
 from d3d_hf.cli import main
 from d3d_hf.convert import export_causal_lm
 from d3d_hf.training import D3DDataCollator, D3DTrainer, D3DTrainingConfig, d3d_losses
+from d3d_hf.training import main as train_main
+
+RECIPE = Path(__file__).resolve().parents[1] / "examples" / "train_ar_assistant.sh"
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +130,46 @@ def test_cli_export_gives_an_assistant_for_assisted_generation(tmp_path, capsys)
     assert torch.equal(out, source.generate(ids, **kwargs))
     assert main(["export-causal-lm", "--drafter", str(tmp_path / "drafter"), "--output", str(tmp_path / "lm")]) == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+def _recipe_command(name: str) -> list[str]:
+    """The `d3d-hf NAME ...` command of the recipe, continuation lines joined, split like the shell would."""
+    text = RECIPE.read_text().replace("\\\n", " ")
+    line = next(ln for ln in text.splitlines() if ln.startswith(f"d3d-hf {name} "))
+    return shlex.split(line)[2:]
+
+
+def _override(argv: list[str], **values: str) -> list[str]:
+    out = list(argv)
+    for flag, value in values.items():
+        out[out.index(f"--{flag}") + 1] = value
+    return out
+
+
+def test_recipe_trains_and_exports_an_assistant_on_a_tiny_target(target, dataset, tmp_path):
+    """examples/train_ar_assistant.sh's own train and export flags, with a tiny target, its data and 2 steps."""
+    target.save_pretrained(tmp_path / "target")
+    tiny_tokenizer().save_pretrained(tmp_path / "target")
+    dataset.save_to_disk(str(tmp_path / "data" / "dataset"))
+    train = _recipe_command("train")
+    assert "--block_loss_weight" in train and train[train.index("--block_loss_weight") + 1] == "0"
+    train = _override(
+        train,
+        target=str(tmp_path / "target"),
+        data=str(tmp_path / "data"),
+        output_dir=str(tmp_path / "run"),
+        max_steps="2",
+        num_layers="2",
+        threads="1",
+    )
+    assert train_main(train + ["--disable_tqdm", "true", "--report_to", "none"]) == 0
+    export = _override(
+        _recipe_command("export-causal-lm"), drafter=str(tmp_path / "run"), output=str(tmp_path / "assistant")
+    )
+    assert main(["export-causal-lm", *export]) == 0
+    assistant = AutoModelForCausalLM.from_pretrained(tmp_path / "assistant")
+    assert isinstance(assistant, LlamaForCausalLM) and assistant.config.num_hidden_layers == 2
+    assert (tmp_path / "assistant" / "tokenizer.json").is_file()
+    ids = random_prompt(7, seed=6)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert torch.equal(target.generate(ids, assistant_model=assistant, **kwargs), target.generate(ids, **kwargs))

@@ -7,9 +7,7 @@ import json
 
 import pytest
 import torch
-from _tiny import tiny_target
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from _tiny import tiny_target, tiny_tokenizer
 
 from d3d_hf import D3DForDiffusionDrafting
 from d3d_hf.cli import main
@@ -18,19 +16,10 @@ from d3d_hf.report import PLOTS, format_suite_table, write_report
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _tokenizer(vocab_size=97):
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0", bos_token="t1", eos_token="t2")
-    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    return fast
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    tokenizer = _tokenizer()
+    tokenizer = tiny_tokenizer()
     target = tiny_target("llama", sharpen=10.0)
     target.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")
@@ -114,7 +103,7 @@ def test_bench_argument_errors_for_new_methods(folders, capsys):
     assert "needs --assistant" in capsys.readouterr().err
     bad = folders / "bad_assistant"
     tiny_target("llama", vocab_size=101).save_pretrained(bad)
-    _tokenizer(101).save_pretrained(bad)
+    tiny_tokenizer(101).save_pretrained(bad)
     args = [
         "bench",
         "--target",
