@@ -222,3 +222,29 @@ def test_a_registered_method_with_hits_is_benchmarked(pair):
         assert "hit rate" in format_table(result["summary"])
     finally:
         METHODS.pop("test-hits")
+
+
+def test_recorder_restores_an_instance_level_factory(pair):
+    target, drafter, _ = pair
+    calls = []
+
+    def factory(*args, **kwargs):
+        calls.append(1)
+        return type(target)._get_candidate_generator(target, *args, **kwargs)
+
+    target.__dict__["_get_candidate_generator"] = factory
+    try:
+        result = run_benchmark(
+            target,
+            IdTokenizer(),
+            _prompts(1),
+            methods=["d3d"],
+            drafter=drafter,
+            max_new_tokens=6,
+            progress=False,
+            warmup=False,
+        )
+        assert calls and result["summary"]["d3d"]["lossless_match"] == 1.0
+        assert target.__dict__["_get_candidate_generator"] is factory
+    finally:
+        target.__dict__.pop("_get_candidate_generator", None)

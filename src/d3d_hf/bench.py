@@ -123,11 +123,15 @@ class RoundRecorder:
         def instrumented_factory(*args, **kwargs):
             return self._instrument(factory(*args, **kwargs))
 
+        previous = target.__dict__.get("_get_candidate_generator")  # an instance-level patch of someone else
         target.__dict__["_get_candidate_generator"] = instrumented_factory
         try:
             yield self
         finally:
-            target.__dict__.pop("_get_candidate_generator", None)
+            if previous is None:
+                target.__dict__.pop("_get_candidate_generator", None)
+            else:
+                target.__dict__["_get_candidate_generator"] = previous
 
     def stats(self) -> RoundStats:
         """The recorded rounds as `RoundStats` (no hits)."""
