@@ -4,6 +4,9 @@
     python benchmarks/render_readme.py --check  # exit 1 if README.md is out of date
 
 Every file listed in RESULTS must exist; each becomes one table with the settings and the command that made it.
+Then the benchmark suite (`benchmarks/run_suite.sh`): every `benchmarks/results/suite/<set>_<dtype>/results.json`
+found, one table per dtype over all prompt sets and methods (with the cost model's predicted speed-up), and the
+plots of `benchmarks/results/suite/report/` when they exist; without suite results, a line saying how to record them.
 """
 
 import argparse
@@ -12,6 +15,7 @@ import sys
 from pathlib import Path
 
 from d3d_hf.bench import format_table
+from d3d_hf.report import PLOTS, format_suite_table
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -22,6 +26,53 @@ RESULTS = [
     ("benchmarks/results/foundation_humaneval_float32.json", "untrained drafter from `d3d-hf init-drafter`"),
     ("benchmarks/results/foundation_humaneval_bfloat16.json", "untrained drafter from `d3d-hf init-drafter`"),
 ]
+
+
+SUITE = "benchmarks/results/suite"
+DTYPE_ORDER = ("float32", "bfloat16", "float16")
+SET_ORDER = ("humaneval", "gsm8k", "mt-bench", "vicuna-bench")
+
+
+def _order(result: dict) -> tuple:
+    st = result["settings"]
+    dtype, prompts = st.get("dtype"), st.get("prompts")
+    return (
+        DTYPE_ORDER.index(dtype) if dtype in DTYPE_ORDER else len(DTYPE_ORDER),
+        SET_ORDER.index(prompts) if prompts in SET_ORDER else len(SET_ORDER),
+        str(prompts),
+    )
+
+
+def render_suite() -> str:
+    files = sorted((ROOT / SUITE).glob("*/results.json"))
+    if not files:
+        return (
+            "**Benchmark suite** (target, prompt lookup, autoregressive assistant and D3D on HumanEval, GSM8K and "
+            "MT-Bench, float32 and bfloat16, with the cost model): not recorded yet; `bash benchmarks/run_suite.sh` "
+            "records it here.\n"
+        )
+    results = sorted((json.loads(f.read_text()) for f in files), key=_order)
+    parts = []
+    for dtype in dict.fromkeys(r["settings"]["dtype"] for r in results):
+        group = [r for r in results if r["settings"]["dtype"] == dtype]
+        st = group[0]["settings"]
+        sets = ", ".join(f"{r['settings']['num_prompts']} {r['settings']['prompts']}" for r in group)
+        parts.append(
+            f"**Benchmark suite, {dtype}**: **{st['target']}**, the shipped drafter `{st['drafter']}` "
+            f"({st['drafter_layers']} layers, block size {st['block_size']}), the autoregressive assistant "
+            f"`{st.get('assistant')}` (`examples/train_ar_assistant.sh`), prompt lookup with "
+            f"{group[0].get('method_settings', {}).get('pld', {}).get('prompt_lookup_num_tokens')} tokens; "
+            f"{sets} prompts, {st['max_new_tokens']} new tokens, {st['torch_threads']} threads on {st['cpu_count']} "
+            f"CPU cores ({st['machine']}), torch {st['torch']}, transformers {st['transformers']}. Recorded in "
+            f"[`{SUITE}/`]({SUITE}/) by `bash benchmarks/run_suite.sh`; predicted speed-ups from the cost model "
+            "(`d3d_hf.costmodel`) measured in the same runs."
+        )
+        parts.append("")
+        parts.append(format_suite_table(group))
+        parts.append("")
+    plots = [f"{SUITE}/report/{name}" for name in PLOTS if (ROOT / SUITE / "report" / name).exists()]
+    parts += [f"![{Path(p).stem}]({p})" for p in plots]
+    return "\n".join(parts).rstrip() + "\n"
 
 
 def render() -> str:
@@ -39,6 +90,7 @@ def render() -> str:
         parts.append("")
         parts.append(format_table(data["summary"]))
         parts.append("")
+    parts.append(render_suite())
     return "\n".join(parts).rstrip() + "\n"
 
 

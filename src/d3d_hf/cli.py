@@ -1,4 +1,5 @@
-"""`d3d-hf` command line: `init-drafter`, `generate`, `data`, `train`, `bench`, `push` and `convert`."""
+"""`d3d-hf` command line: `init-drafter`, `generate`, `data`, `train`, `bench`, `report`, `cost-model`,
+`export-causal-lm`, `push` and `convert`."""
 
 from __future__ import annotations
 
@@ -31,6 +32,14 @@ def _layer_ids(value: str) -> list[int]:
     if not ids or any(i < 0 for i in ids) or len(set(ids)) != len(ids):
         raise argparse.ArgumentTypeError(f"expected distinct non-negative layer indices, got {value!r}")
     return ids
+
+
+def _float_list(value: str) -> list[float]:
+    """argparse type: comma-separated numbers."""
+    try:
+        return [float(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 2,3.5, got {value!r}") from None
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -70,15 +79,54 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmark methods interleaved on real prompts")
     p.add_argument("--target", default=None, help="target model (default: the drafter's recorded target)")
     p.add_argument("--drafter", default=None, help="drafter folder (needed for method d3d)")
-    p.add_argument("--prompts", default="humaneval", help="'humaneval' or a JSONL file")
+    p.add_argument(
+        "--assistant",
+        default=None,
+        help="autoregressive assistant (causal LM folder with the target's tokenizer; needed for method ar-assist)",
+    )
+    p.add_argument("--prompts", default="humaneval", help="humaneval, gsm8k, mt-bench, vicuna-bench or a JSONL file")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts (after --offset)")
     p.add_argument("--offset", type=int, default=0, help="skip the first N prompts (to run a long set in shards)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--methods", default="target,d3d", help="comma-separated: target,d3d")
+    p.add_argument("--methods", default="target,d3d", help="comma-separated: target,pld,ar-assist,d3d")
     p.add_argument("--block-size", type=_positive_int, default=None, help="override the drafter's block size")
+    p.add_argument("--prompt-lookup-num-tokens", type=_positive_int, default=10, help="pld: tokens per draft")
+    p.add_argument("--max-matching-ngram-size", type=_positive_int, default=2, help="pld: longest n-gram matched")
+    p.add_argument(
+        "--cost-model",
+        action="store_true",
+        help="also measure the cost model (d3d_hf.costmodel) and show its predicted speed-up next to the measured one",
+    )
+    p.add_argument("--cost-prefix-length", type=_positive_int, default=256, help="KV-cache prefix of the cost model")
     p.add_argument("--output", default=None, help="write results JSON here")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    p.add_argument("--output-dir", default=None, help="write results.json, report.md and PNG plots into this folder")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file / --output-dir")
     p.add_argument("--print-completions", action="store_true", help="print each completion")
+    _add_common(p)
+
+    p = sub.add_parser("report", help="Markdown table and plots over several `d3d-hf bench` results")
+    p.add_argument("results", nargs="+", help="results JSON files of `d3d-hf bench`")
+    p.add_argument("--output-dir", required=True, help="folder for report.md and the PNG plots")
+    p.add_argument("--title", default="Benchmark", help="title of report.md")
+    p.add_argument("--overwrite", action="store_true", help="allow writing into a non-empty folder")
+
+    p = sub.add_parser("cost-model", help="measure target/drafter forward times and the speed-up they imply")
+    p.add_argument("--target", default=None, help="target model (default: the drafter's recorded target)")
+    p.add_argument("--drafter", default=None, help="drafter folder (without it only the target is timed)")
+    p.add_argument("--block-size", type=_positive_int, default=None, help="override the drafter's block size")
+    p.add_argument("--prefix-length", type=_positive_int, default=256, help="tokens in the KV cache before each pass")
+    p.add_argument("--repeats", type=_positive_int, default=5, help="timed calls per point (median)")
+    p.add_argument("--tau", type=_float_list, default=[2.0, 3.0, 4.0], help="comma-separated tau values")
+    p.add_argument("--hit-rate", type=_float_list, default=[0.5, 0.9], help="comma-separated async hit rates")
+    p.add_argument("--output", default=None, help="write the measurements as JSON here")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    _add_common(p)
+
+    p = sub.add_parser("export-causal-lm", help="save a drafter's layers as a plain causal LM (an ar-assist assistant)")
+    p.add_argument("--drafter", required=True, help="drafter folder (e.g. trained with --block_loss_weight 0)")
+    p.add_argument("--target", default=None, help="target to attach when the drafter shares its weights")
+    p.add_argument("--output", required=True, help="folder for the causal LM (config, safetensors, tokenizer)")
+    p.add_argument("--overwrite", action="store_true", help="allow writing into a non-empty folder")
     _add_common(p)
 
     p = sub.add_parser("data", help="generate target-distilled training data (the target answers real prompts)")
@@ -167,6 +215,33 @@ def _generate(args) -> int:
     return 0
 
 
+def _check_output_file(output: Path | None, overwrite: bool, flag: str = "--output") -> None:
+    if output is None:
+        return
+    if output.exists() and not overwrite:
+        raise FileExistsError(f"{output} exists; choose another {flag} or pass --overwrite")
+    if any(p.exists() and not p.is_dir() for p in output.parents):
+        raise ValueError(f"{flag} {output}: a parent of it is a file, not a folder")
+
+
+def _load_assistant(name: str, dtype: str, tokenizer, target):
+    """Loads an autoregressive assistant and checks that it shares the target's tokenizer."""
+    from .targets import load_target
+
+    try:
+        assistant, assistant_tokenizer = load_target(name, dtype=dtype)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot load --assistant {name!r}: {err}") from err
+    vocab = assistant.config.get_text_config().vocab_size
+    target_vocab = target.config.get_text_config().vocab_size
+    if vocab != target_vocab or assistant_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            f"--assistant {name!r} does not use the target's tokenizer (vocabulary {vocab} vs {target_vocab} "
+            "entries or different tokens); method ar-assist needs an assistant of the same tokenizer"
+        )
+    return assistant
+
+
 def _bench(args) -> int:
     from .bench import METHODS, environment_info, format_table, run_benchmark
     from .prompts import load_prompts
@@ -175,14 +250,21 @@ def _bench(args) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown --methods {unknown}; choose from {list(METHODS)}")
-    if "d3d" in methods and not args.drafter:
-        raise ValueError("method d3d needs --drafter")
+    given = {"drafter": args.drafter, "assistant": args.assistant}
+    for m in methods:
+        for needed in METHODS[m].requires:
+            if needed not in given:
+                raise ValueError(f"method {m} needs a {needed}, which the command line cannot give")
+            if not given[needed]:
+                raise ValueError(f"method {m} needs --{needed}")
     output = Path(args.output) if args.output else None
-    if output is not None:
-        if output.exists() and not args.overwrite:
-            raise FileExistsError(f"{output} exists; choose another --output or pass --overwrite")
-        if any(p.exists() and not p.is_dir() for p in output.parents):
-            raise ValueError(f"--output {output}: a parent of it is a file, not a folder")
+    _check_output_file(output, args.overwrite)
+    output_dir = Path(args.output_dir) if args.output_dir else None
+    if output_dir is not None:
+        from .drafters import ensure_writable_dir
+
+        ensure_writable_dir(output_dir, args.overwrite)
+        _check_output_file(output_dir / "results.json", True, "--output-dir")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     if args.offset < 0:
@@ -191,7 +273,10 @@ def _bench(args) -> int:
     if not prompts:
         raise ValueError(f"--offset {args.offset} skips every prompt of {args.prompts}")
     prompts = prompts[: args.limit] if args.limit is not None else prompts
+    if not args.drafter and not args.target:
+        raise ValueError("give --target (or --drafter, whose recorded target is used)")
     target_name, target, tokenizer, drafter = _load_pair(args)
+    assistant = _load_assistant(args.assistant, args.dtype, tokenizer, target) if args.assistant else None
 
     def show(prompt, runs):
         if not args.print_completions:
@@ -213,11 +298,17 @@ def _bench(args) -> int:
         drafter=drafter,
         max_new_tokens=args.max_new_tokens,
         on_prompt=show,
+        assistant=assistant,
+        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+        max_matching_ngram_size=args.max_matching_ngram_size,
+        resources={"drafter_name": args.drafter, "assistant_name": args.assistant},
     )
     result["settings"] = {
         "target": target_name,
         "drafter": args.drafter,
         "drafter_layers": drafter.config.num_hidden_layers if drafter is not None else None,
+        "assistant": args.assistant,
+        "methods": list(result["summary"]),
         "dtype": args.dtype,
         "block_size": drafter.config.block_size if drafter is not None else None,
         "prompts": args.prompts,
@@ -230,12 +321,94 @@ def _bench(args) -> int:
         "command": "d3d-hf " + " ".join(sys.argv[1:]),
         **environment_info(),
     }
+    if args.cost_model:
+        from .costmodel import format_cost_model, measure_cost_model, predict_speedups
+
+        uses_drafter = drafter is not None and any(METHODS[m].cost_model in ("sync", "async") for m in methods)
+        cost = measure_cost_model(target, drafter if uses_drafter else None, prefix_length=args.cost_prefix_length)
+        kinds = {m: METHODS[m].cost_model for m in result["summary"]}
+        for m, predicted in predict_speedups(cost, result["summary"], kinds, result["method_settings"]).items():
+            result["summary"][m]["predicted_speedup"] = predicted
+        result["cost_model"] = cost.to_dict()
+        print()
+        print(format_cost_model(cost))
     print()
     print(format_table(result["summary"]))
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(result, indent=2))
         print(f"\nwrote {output}")
+    if output_dir is not None:
+        from .report import write_report
+
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "results.json").write_text(json.dumps(result, indent=2))
+        write_report([result], output_dir, title=f"{target_name} on {args.prompts} ({args.dtype})")
+        print(f"\nwrote results.json, report.md and plots to {output_dir}")
+    return 0
+
+
+def _report(args) -> int:
+    from .drafters import ensure_writable_dir
+    from .report import write_report
+
+    results = []
+    for path in args.results:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"No results file at {path}; write one with `d3d-hf bench --output FILE`.")
+        results.append(json.loads(Path(path).read_text()))
+    output_dir = ensure_writable_dir(args.output_dir, args.overwrite)
+    written = write_report(results, output_dir, title=args.title)
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _cost_model(args) -> int:
+    from .costmodel import format_cost_model, measure_cost_model
+
+    output = Path(args.output) if args.output else None
+    _check_output_file(output, args.overwrite)
+    if not args.drafter and not args.target:
+        raise ValueError("give --target and/or --drafter")
+    if any(not 0 <= h <= 1 for h in args.hit_rate):
+        raise ValueError(f"--hit-rate values must be in [0, 1], got {args.hit_rate}")
+    target_name, target, _, drafter = _load_pair(args)
+    cost = measure_cost_model(target, drafter, prefix_length=args.prefix_length, repeats=args.repeats)
+    cost.settings.update(target=target_name, drafter=args.drafter)
+    print(format_cost_model(cost, taus=args.tau, hit_rates=args.hit_rate))
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(cost.to_dict(), indent=2))
+        print(f"\nwrote {output}")
+    return 0
+
+
+def _export_causal_lm(args) -> int:
+    from .convert import export_causal_lm
+    from .drafters import ensure_writable_dir, load_drafter
+
+    output = ensure_writable_dir(args.output, args.overwrite)
+    drafter = load_drafter(args.drafter, dtype=args.dtype)
+    tokenizer = None
+    target = None
+    if drafter.config.shares_target_weights:
+        from .targets import load_target
+
+        target_name = args.target or drafter.config.target_model
+        if not target_name:
+            raise ValueError("this drafter shares its target's weights: give --target")
+        target, tokenizer = load_target(target_name, dtype=args.dtype)
+    folder = Path(args.drafter)
+    if (
+        tokenizer is None
+        and folder.is_dir()
+        and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+    ):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = export_causal_lm(drafter, output, tokenizer=tokenizer, target=target)
+    print(f"Saved a {model.config.num_hidden_layers}-layer {type(model).__name__} to {output}")
     return 0
 
 
@@ -409,11 +582,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
     args = _build_parser().parse_args(argv)
-    if args.threads:
+    if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     import d3d_hf  # noqa: F401  (registers the model type and the generation hook)
 
     handlers = {"init-drafter": _init_drafter, "generate": _generate, "bench": _bench, "data": _data}
+    handlers.update({"report": _report, "cost-model": _cost_model, "export-causal-lm": _export_causal_lm})
     handlers.update({"push": _push, "convert": _convert})
     try:
         return handlers[args.command](args)

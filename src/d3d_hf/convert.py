@@ -1,11 +1,14 @@
 """Making D3D drafters from real checkpoint folders.
 
-Two entry points:
+Entry points:
 
 - `convert_autoregressive_checkpoint`: any local Llama-, Mistral- or Qwen3-architecture causal-LM folder
   (`config.json` + safetensors) -> a D3D drafter initialised from its layers (`from_autoregressive`).
 - `load_published_d3d_checkpoint`: a folder in the layout of the published D3D checkpoints (D3D-1.7B-8B, D3D-8B-8B,
   D3D-8B-32B, ...), inferred as described in its docstring.
+- `export_causal_lm`: the other direction, a drafter's committed-context path as a plain `LlamaForCausalLM` /
+  `Qwen3ForCausalLM` folder (e.g. an autoregressive assistant trained with `block_loss_weight=0`, for
+  `d3d-hf bench --methods ar-assist --assistant DIR`).
 
 Mask token choice for padded vocabularies: Qwen3 checkpoints have 151936 embedding rows but their tokenizer produces
 only ids below `len(tokenizer)` (151669 for Qwen3), so the rows in between are spare. When the folder has a tokenizer
@@ -448,6 +451,95 @@ def load_published_d3d_checkpoint(
     return drafter.eval()
 
 
+def causal_lm_config(config):
+    """The transformers config of the causal LM that computes a D3D drafter's committed-context (causal) path:
+    `Qwen3Config` when the drafter has q/k norms, else `LlamaConfig` (Llama and Mistral layers are the same).
+
+    Raises:
+        ValueError: for a Qwen3-style drafter with MLP biases (Qwen3 has none).
+    """
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        hidden_act=config.hidden_act,
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters=dict(config.rope_parameters),
+        attention_bias=config.attention_bias,
+        tie_word_embeddings=config.tie_word_embeddings,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    if config.use_qk_norm:
+        if config.mlp_bias:
+            raise ValueError("A Qwen3-style drafter (q/k norms) with MLP biases has no transformers causal-LM class.")
+        return Qwen3Config(**common)
+    return LlamaConfig(mlp_bias=config.mlp_bias, **common)
+
+
+def export_causal_lm(
+    drafter: D3DForDiffusionDrafting,
+    output_dir: str | os.PathLike | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    target=None,
+):
+    """Turns a drafter's committed-context path into a plain causal LM (and saves it when `output_dir` is given).
+
+    The drafter's causal path (embeddings, decoder layers, final norm, LM head) has exactly the key names and
+    computation of a Llama/Qwen3 causal LM, so the weights are copied as they are; the mask embedding and the block
+    adapters are dropped, since neither acts on committed tokens. The result computes the same next-token logits as
+    `drafter(input_ids)` with causal attention: an autoregressive drafter trained by `D3DTrainer` with
+    `block_loss_weight=0` becomes an assistant for transformers' assisted generation (`ar-assist`).
+
+    Args:
+        drafter (`D3DForDiffusionDrafting`): the drafter.
+        output_dir (`str` or `os.PathLike`, *optional*): folder to `save_pretrained` into (with `tokenizer`).
+        tokenizer (`PreTrainedTokenizerBase`, *optional*): saved next to the model.
+        target (`PreTrainedModel`, *optional*): attached first when the drafter shares its target's weights.
+
+    Returns:
+        `LlamaForCausalLM` or `Qwen3ForCausalLM` in the drafter's dtype, on CPU, in eval mode.
+
+    Raises:
+        ValueError: if the drafter shares its target's weights, they are not attached and no `target` is given.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if drafter.config.shares_target_weights and drafter._attached_target is None:
+        if target is None:
+            raise ValueError("This drafter shares its target's weights: pass `target=` to attach them first.")
+        drafter.attach_target_weights(target)
+    config = causal_lm_config(drafter.config)
+    dtype = drafter.model.embed_tokens.weight.dtype
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {
+        k: v.detach().cpu()
+        for k, v in drafter.state_dict().items()
+        # an attached target is registered as a submodule of the drafter: its own keys are not the drafter's
+        if not drafter.is_drafter_specific(k) and not k.startswith("_attached_target.")
+    }
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:  # pragma: no cover - the layouts are the same by construction
+        raise ValueError(f"Layout mismatch exporting the drafter: missing {missing[:6]}, unexpected {unexpected[:6]}.")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.eval()
+    if output_dir is not None:
+        model.save_pretrained(output_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+    return model
+
+
 def _shape_name(config) -> str:
     for name, shape in QWEN3_REFERENCE_SHAPES.items():
         if all(getattr(config, k) == v for k, v in shape.items() if k != "num_hidden_layers"):
@@ -458,7 +550,9 @@ def _shape_name(config) -> str:
 __all__ = [
     "QWEN3_REFERENCE_SHAPES",
     "SUPPORTED_MODEL_TYPES",
+    "causal_lm_config",
     "convert_autoregressive_checkpoint",
+    "export_causal_lm",
     "load_published_d3d_checkpoint",
     "spare_mask_token_id",
 ]

