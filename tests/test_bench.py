@@ -146,7 +146,7 @@ def test_every_method_matches_the_target_and_reports_rounds(pair):
         progress=False,
         prompt_lookup_num_tokens=3,
     )
-    assert list(result["summary"]) == ["target", "pld", "ar-assist", "d3d"]
+    assert list(result["summary"]) == ["target", "pld", "ar-assist", "d3d", "d3d-async"]
     for method, runs in result["runs"].items():
         for run in runs:
             assert run["matches_target"], (method, run["prompt_id"])
@@ -164,6 +164,9 @@ def test_every_method_matches_the_target_and_reports_rounds(pair):
     assert result["method_settings"]["pld"]["prompt_lookup_num_tokens"] == 3
     assert result["method_settings"]["ar-assist"]["num_assistant_tokens"] == 20
     assert result["method_settings"]["d3d"]["block_size"] == 4
+    assert result["method_settings"]["d3d-async"]["hypotheses"] == 4
+    assert result["summary"]["d3d"]["hit_rate"] is None
+    assert 0.0 <= result["summary"]["d3d-async"]["hit_rate"] <= 1.0
     # the instrumentation is gone after the calls
     assert "_get_candidate_generator" not in target.__dict__
 

@@ -10,6 +10,8 @@ Methods (greedy decoding, batch size 1), one entry each in the registry `METHODS
   one forward each, stopping early below `assistant_confidence_threshold`; transformers' defaults unless the
   assistant's generation config sets them).
 - `d3d`: `target.generate(..., assistant_model=drafter)` with synchronous D3D drafting.
+- `d3d-async`: the same with `d3d_async=True` (packed successor drafting during verification, `--num-hypotheses`,
+  `--reuse-on-miss`); reports the hit rate.
 
 For each prompt the methods run one after the other (interleaved), so slow drifts of the machine hit all methods
 alike. Every method runs on the same target object, so dtype and threads are the same.
@@ -173,9 +175,8 @@ class BenchMethod:
 
 
 def d3d_round_stats(stats) -> RoundStats:
-    """`RoundStats` from a D3D drafter's `last_generation_stats` (`hits` is read when the object has one, as the
-    asynchronous drafter's stats do)."""
-    hits = getattr(stats, "hits", None)
+    """`RoundStats` from a D3D drafter's `last_generation_stats` (`hits` is read when the call was asynchronous)."""
+    hits = getattr(stats, "hits", None) if getattr(stats, "asynchronous", True) else None
     return RoundStats(
         rounds=stats.rounds,
         draft_seconds=sum(stats.draft_seconds),
@@ -271,6 +272,44 @@ register_method(
         requires=("drafter",),
         settings=_d3d_settings,
         cost_model="sync",
+    )
+)
+
+
+def _d3d_async_options(resources: Mapping[str, Any]) -> dict[str, Any]:
+    block_size = resources["drafter"].config.block_size
+    hypotheses = int(resources.get("num_hypotheses") or min(4, block_size))
+    return {
+        "d3d_async": True,
+        "d3d_num_hypotheses": hypotheses,
+        "d3d_reuse_on_miss": bool(resources.get("reuse_on_miss")),
+    }
+
+
+def _d3d_async_kwargs(resources: Mapping[str, Any]) -> dict[str, Any]:
+    from transformers import GenerationConfig
+
+    # the options travel in a GenerationConfig (generate rejects unknown keyword arguments); the harness adds
+    # max_new_tokens, greedy decoding and the attention mask
+    return {
+        "assistant_model": resources["drafter"],
+        "generation_config": GenerationConfig(**_d3d_async_options(resources)),
+    }
+
+
+register_method(
+    BenchMethod(
+        "d3d-async",
+        "asynchronous D3D drafting (packed successor blocks during verification)",
+        _d3d_async_kwargs,
+        read_stats=lambda r, recorder: d3d_round_stats(r["drafter"].last_generation_stats),
+        requires=("drafter",),
+        settings=lambda r: {
+            **_d3d_settings(r),
+            "hypotheses": _d3d_async_options(r)["d3d_num_hypotheses"],
+            "reuse_on_miss": _d3d_async_options(r)["d3d_reuse_on_miss"],
+        },
+        cost_model="async",
     )
 )
 

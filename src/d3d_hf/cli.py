@@ -88,8 +88,19 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts (after --offset)")
     p.add_argument("--offset", type=int, default=0, help="skip the first N prompts (to run a long set in shards)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--methods", default="target,d3d", help="comma-separated: target,pld,ar-assist,d3d")
+    p.add_argument("--methods", default="target,d3d", help="comma-separated: target,pld,ar-assist,d3d,d3d-async")
     p.add_argument("--block-size", type=_positive_int, default=None, help="override the drafter's block size")
+    p.add_argument(
+        "--num-hypotheses",
+        type=_positive_int,
+        default=None,
+        help="d3d-async: successor blocks per packed pass, 1..block size (default min(4, block size))",
+    )
+    p.add_argument(
+        "--reuse-on-miss",
+        action="store_true",
+        help="d3d-async: on a wrong bonus guess, still use the block drafted for the real acceptance length",
+    )
     p.add_argument("--prompt-lookup-num-tokens", type=_positive_int, default=10, help="pld: tokens per draft")
     p.add_argument("--max-matching-ngram-size", type=_positive_int, default=2, help="pld: longest n-gram matched")
     p.add_argument(
@@ -301,7 +312,12 @@ def _bench(args) -> int:
         assistant=assistant,
         prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
         max_matching_ngram_size=args.max_matching_ngram_size,
-        resources={"drafter_name": args.drafter, "assistant_name": args.assistant},
+        resources={
+            "drafter_name": args.drafter,
+            "assistant_name": args.assistant,
+            "num_hypotheses": args.num_hypotheses,
+            "reuse_on_miss": args.reuse_on_miss,
+        },
     )
     result["settings"] = {
         "target": target_name,

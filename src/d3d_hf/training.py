@@ -262,8 +262,9 @@ def d3d_losses(
 
     cache = D3DCache()
     with torch.set_grad_enabled(clean_requires_grad and torch.is_grad_enabled()):
-        clean = drafter(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
-                        logits_to_keep=1)
+        clean = drafter(
+            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True, logits_to_keep=1
+        )
     losses: dict[str, torch.Tensor] = {}
     zero = torch.zeros((), device=device)
 
@@ -367,8 +368,16 @@ class D3DTrainer(Trainer):
             is requested without a target and prompts.
     """
 
-    def __init__(self, model, args: D3DTrainingConfig, train_dataset=None, processing_class=None, target=None,
-                 tau_prompts=None, **kwargs):
+    def __init__(
+        self,
+        model,
+        args: D3DTrainingConfig,
+        train_dataset=None,
+        processing_class=None,
+        target=None,
+        tau_prompts=None,
+        **kwargs,
+    ):
         if not isinstance(model, D3DForDiffusionDrafting):
             raise ValueError(f"D3DTrainer trains D3DForDiffusionDrafting models, got {type(model).__name__}.")
         if args.tau_eval_steps and (target is None or not tau_prompts):
@@ -389,8 +398,14 @@ class D3DTrainer(Trainer):
             pad_token_id=pad if pad is not None else 0,
             seed=args.seed,
         )
-        super().__init__(model=model, args=args, train_dataset=train_dataset, processing_class=processing_class,
-                         data_collator=collator, **kwargs)
+        super().__init__(
+            model=model,
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=processing_class,
+            data_collator=collator,
+            **kwargs,
+        )
         self._loss_parts: dict[str, list[float]] = {}
         if isinstance(collator, D3DDataCollator):
             self.add_callback(_EpochCallback(collator))
@@ -468,14 +483,17 @@ class D3DTrainer(Trainer):
         tokens = rounds = 0
         for ids in self.tau_prompts:
             ids = ids.to(self.target.device)
-            self.target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, do_sample=False,
-                                 max_new_tokens=self.args.tau_eval_max_new_tokens)
+            self.target.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                assistant_model=drafter,
+                do_sample=False,
+                max_new_tokens=self.args.tau_eval_max_new_tokens,
+            )
             stats = drafter.last_generation_stats
             tokens, rounds = tokens + stats.new_tokens, rounds + stats.rounds
         drafter.train(was_training)
         return tokens / rounds if rounds else math.nan
-
-
 
 
 @dataclass
