@@ -63,6 +63,9 @@ class D3DConfig(PretrainedConfig):
         source_layer_ids (`list[int]`, *optional*):
             For each drafter layer, the index of the source-model layer it was copied from (kept up to date by
             pruning).
+        pruned_layer_ids (`list[int]`, *optional*):
+            Set by layer pruning (`d3d_hf.pruning`): for each drafter layer, its index in the drafter before any
+            pruning. `None` for an unpruned drafter.
         target_model (`str`, *optional*):
             Name or path of the target model the drafter was made for.
         block_lora_rank (`int`, *optional*, defaults to 0):
@@ -120,6 +123,7 @@ class D3DConfig(PretrainedConfig):
         mask_token_id: int | None = None,
         source_model: str | None = None,
         source_layer_ids: list[int] | None = None,
+        pruned_layer_ids: list[int] | None = None,
         target_model: str | None = None,
         block_lora_rank: int = 0,
         block_lora_alpha: float = 16.0,
@@ -173,6 +177,12 @@ class D3DConfig(PretrainedConfig):
         self.mask_token_id = mask_token_id
         self.source_model = source_model
         self.source_layer_ids = list(source_layer_ids) if source_layer_ids is not None else None
+        if pruned_layer_ids is not None and len(pruned_layer_ids) != num_hidden_layers:
+            raise ValueError(
+                f"`pruned_layer_ids` has {len(pruned_layer_ids)} entries but `num_hidden_layers` is "
+                f"{num_hidden_layers}: give one index per drafter layer."
+            )
+        self.pruned_layer_ids = list(pruned_layer_ids) if pruned_layer_ids is not None else None
         self.target_model = target_model
         self.block_lora_rank = int(block_lora_rank)
         self.block_lora_alpha = float(block_lora_alpha)

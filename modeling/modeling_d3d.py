@@ -826,7 +826,9 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
             if self.is_drafter_specific(name):
                 param.data = param.data.to(device=ref.device)
         self.model.rotary_emb.to(ref.device)
-        self._attached_target = target
+        # a plain reference, not a registered submodule: the target's parameters must not become the drafter's
+        self._modules.pop("_attached_target", None)
+        self.__dict__["_attached_target"] = target
 
     def _check_weights_attached(self) -> None:
         if self.config.shares_target_weights and self._attached_target is None:

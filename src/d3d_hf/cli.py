@@ -140,6 +140,26 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="allow writing into a non-empty folder")
     _add_common(p)
 
+    p = sub.add_parser("prune", help="progressive layer pruning of a drafter by calibration tau (resumable)")
+    p.add_argument("--target", default=None, help="target model (default: the drafter's recorded target)")
+    p.add_argument("--drafter", required=True, help="drafter to prune: shipped name or folder")
+    p.add_argument(
+        "--prompts",
+        required=True,
+        help="calibration prompts: stdlib, stdlib:N or a JSONL file (evaluation sets such as humaneval are refused)",
+    )
+    p.add_argument("--offset", type=int, default=0, help="skip the first N prompts (e.g. those the drafter trained on)")
+    p.add_argument("--limit", type=_positive_int, default=8, help="calibration prompts to use (default 8)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128, help="calibration continuation length")
+    rule = p.add_mutually_exclusive_group(required=True)
+    rule.add_argument("--num-layers", type=_positive_int, default=None, help="prune down to this many layers")
+    rule.add_argument(
+        "--min-tau-retention", type=float, default=None, help="stop before tau falls below this fraction (e.g. 0.99)"
+    )
+    p.add_argument("--output", required=True, help="folder for the pruned drafter, the path JSON/PNG and the state")
+    p.add_argument("--overwrite", action="store_true", help="allow writing into a non-empty folder without a state")
+    _add_common(p)
+
     p = sub.add_parser("data", help="generate target-distilled training data (the target answers real prompts)")
     p.add_argument("--target", required=True, help="target model: known name, folder, .gguf file or hub id")
     p.add_argument(
@@ -195,7 +215,7 @@ def _load_pair(args):
     except (OSError, ValueError) as err:
         origin = "--target" if args.target else f"the target recorded in the drafter's config ({args.drafter})"
         raise ValueError(f"cannot load {origin} {target_name!r}: {err}. Pass --target NAME_OR_PATH.") from err
-    if drafter is not None and args.block_size is not None:
+    if drafter is not None and getattr(args, "block_size", None) is not None:
         drafter.config.block_size = args.block_size
     return target_name, target, tokenizer, drafter
 
@@ -583,6 +603,61 @@ def _convert(args) -> int:
     return 0
 
 
+def _prune(args) -> int:
+    from dataclasses import asdict
+
+    from .data import load_prompt_sources
+    from .drafters import ensure_writable_dir
+    from .prompts import encode_prompt
+    from .pruning import PATH_FILE, PLOT_FILE, STATE_FILE, plot_pruning_path, prune_drafter
+
+    output = Path(args.output)
+    if not (output / STATE_FILE).exists():  # a folder with a state is resumed; anything else needs --overwrite
+        ensure_writable_dir(output, args.overwrite)
+    if args.offset < 0:
+        raise ValueError(f"--offset must be >= 0, got {args.offset}")
+    if args.min_tau_retention is not None and not 0.0 < args.min_tau_retention <= 1.0:
+        raise ValueError(f"--min-tau-retention must be in (0, 1], got {args.min_tau_retention}")
+    prompts = load_prompt_sources(args.prompts)[args.offset : args.offset + args.limit]
+    if not prompts:
+        raise ValueError(f"--prompts {args.prompts} with --offset {args.offset} leaves no prompt")
+    target_name, target, tokenizer, drafter = _load_pair(args)
+    if args.num_layers is not None and args.num_layers >= drafter.config.num_hidden_layers:
+        raise ValueError(
+            f"--num-layers {args.num_layers} must be below the drafter's {drafter.config.num_hidden_layers} layers"
+        )
+    prompts_ids = [encode_prompt(tokenizer, p)[0].tolist() for p in prompts]
+    pruned, steps = prune_drafter(
+        drafter,
+        target,
+        prompts_ids,
+        num_layers=args.num_layers,
+        min_tau_retention=args.min_tau_retention,
+        max_new_tokens=args.max_new_tokens,
+        state_dir=output,
+    )
+    pruned.save_pretrained(output, tokenizer=tokenizer)
+    record = {
+        "command": "d3d-hf " + " ".join(sys.argv[1:]),
+        "target": target_name,
+        "drafter": args.drafter,
+        "prompts": args.prompts,
+        "prompt_ids": [p.id for p in prompts],
+        "max_new_tokens": args.max_new_tokens,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "steps": [asdict(step) for step in steps],
+    }
+    (output / PATH_FILE).write_text(json.dumps(record, indent=2))
+    plot_pruning_path(steps, output / PLOT_FILE)
+    print("| layers | removed | tau | retention | draft ms/block |\n|---|---|---|---|---|")
+    for step in steps:
+        removed = "-" if step.removed_layer is None else step.removed_layer
+        print(f"| {step.num_layers} | {removed} | {step.tau:.3f} | {step.tau_retention:.3f} | {step.draft_ms:.1f} |")
+    print(f"Saved the {pruned.config.num_hidden_layers}-layer drafter, {PATH_FILE} and {PLOT_FILE} to {output}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `d3d-hf` console script."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -604,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
 
     handlers = {"init-drafter": _init_drafter, "generate": _generate, "bench": _bench, "data": _data}
     handlers.update({"report": _report, "cost-model": _cost_model, "export-causal-lm": _export_causal_lm})
-    handlers.update({"push": _push, "convert": _convert})
+    handlers.update({"push": _push, "convert": _convert, "prune": _prune})
     try:
         return handlers[args.command](args)
     except (FileExistsError, FileNotFoundError, NotADirectoryError, ValueError) as err:

@@ -1,0 +1,220 @@
+"""Progressive layer pruning (d3d_hf.pruning) on tiny random targets."""
+
+import json
+
+import pytest
+import torch
+from _tiny import random_prompt, tiny_target
+from transformers import AutoModel
+
+from d3d_hf import D3DForDiffusionDrafting
+from d3d_hf.pruning import (
+    layer_subset,
+    offline_acceptance,
+    plot_pruning_path,
+    prune_drafter,
+    pruned_drafter,
+    target_continuations,
+)
+
+
+def _drafter(target, block_size=4, seed=0):
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=block_size)
+    drafter.add_block_adapter(4)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return drafter.eval()
+
+
+def _prompts(n=3):
+    return [random_prompt(5 + i, seed=i)[0].tolist() for i in range(n)]
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+@pytest.mark.parametrize("max_new_tokens", [3, 30])
+def test_offline_acceptance_equals_real_decoding(block_size, max_new_tokens):
+    """In float32 the replay against the target's continuation gives the real run's rounds, token for token."""
+    target = tiny_target(sharpen=4.0, num_layers=4)
+    drafter = _drafter(target, block_size)
+    for prompt in _prompts():
+        ids = torch.tensor([prompt])
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            assistant_model=drafter,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+        stats = drafter.last_generation_stats
+        continuation = out[0, ids.shape[1] :].tolist()
+        replay = offline_acceptance(drafter, prompt, continuation, max_new_tokens, [2])
+        assert replay.acceptance_lengths == stats.acceptance_lengths
+        assert replay.tau == pytest.approx(stats.tau)
+
+
+def test_offline_acceptance_stops_at_eos_like_generate():
+    target = tiny_target(sharpen=4.0, seed=3)
+    drafter = _drafter(target, 8)
+    prompt = random_prompt(6, seed=1)
+    free = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False)
+    for stop in (0, 3, 9):
+        target.generation_config.eos_token_id = free[0, prompt.shape[1] + stop].item()
+        out = target.generate(
+            prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter, max_new_tokens=30, do_sample=False
+        )
+        continuation = out[0, prompt.shape[1] :].tolist()
+        replay = offline_acceptance(
+            drafter, prompt[0].tolist(), continuation, 30, [target.generation_config.eos_token_id]
+        )
+        assert replay.acceptance_lengths == drafter.last_generation_stats.acceptance_lengths
+
+
+def test_layer_subset_is_temporary_and_equals_a_pruned_copy():
+    target = tiny_target(num_layers=4)
+    drafter = _drafter(target)
+    ids = torch.tensor([_prompts(1)[0]])
+    before = drafter(ids).logits
+    with layer_subset(drafter, [0, 2, 3]):
+        subset = drafter(ids).logits
+    torch.testing.assert_close(drafter(ids).logits, before)
+    copy = pruned_drafter(drafter, [0, 2, 3])
+    torch.testing.assert_close(copy(ids).logits, subset)
+    assert copy.config.num_hidden_layers == 3 and copy.config.source_layer_ids == [0, 2, 3]
+    assert copy.config.pruned_layer_ids == [0, 2, 3]
+    again = pruned_drafter(copy, [0, 2])  # indices compose over repeated pruning
+    assert again.config.pruned_layer_ids == [0, 3] and again.config.source_layer_ids == [0, 3]
+    with pytest.raises(ValueError, match="increasing"):
+        with layer_subset(drafter, [2, 1]):
+            pass
+
+
+def test_pruning_removes_the_brute_force_best_layer():
+    target = tiny_target(sharpen=4.0, num_layers=4)
+    drafter = _drafter(target)
+    prompts = _prompts()
+    continuations = target_continuations(target, prompts, 24)
+
+    def tau_without(layer):
+        copy = pruned_drafter(drafter, [i for i in range(4) if i != layer])
+        total = [offline_acceptance(copy, p, c, 24, [2]) for p, c in zip(prompts, continuations, strict=True)]
+        return sum(r.new_tokens for r in total) / sum(r.rounds for r in total)
+
+    brute = {layer: tau_without(layer) for layer in range(4)}
+    expected = max(range(4), key=lambda i: (brute[i], i))
+    pruned, steps = pruned_and_steps = prune_drafter(
+        drafter, target, prompts, num_layers=3, max_new_tokens=24, progress=False
+    )
+    assert steps[1].removed_layer == expected
+    assert steps[1].candidates == pytest.approx({str(k): v for k, v in brute.items()})
+    assert steps[1].tau == pytest.approx(brute[expected])
+    assert pruned.config.num_hidden_layers == 3 and pruned.config.pruned_layer_ids == steps[1].kept_layers
+    assert len(pruned_and_steps) == 2
+
+
+def test_resumed_pruning_reaches_the_same_result(tmp_path):
+    target = tiny_target(sharpen=4.0, num_layers=5)
+    drafter = _drafter(target, seed=1)
+    prompts = _prompts(2)
+    _, straight = prune_drafter(drafter, target, prompts, num_layers=2, max_new_tokens=16, progress=False)
+    prune_drafter(drafter, target, prompts, num_layers=4, max_new_tokens=16, state_dir=tmp_path, progress=False)
+    state = json.loads((tmp_path / "pruning_state.json").read_text())
+    assert [s["num_layers"] for s in state["steps"]] == [5, 4]
+    _, resumed = prune_drafter(
+        drafter, target, prompts, num_layers=2, max_new_tokens=16, state_dir=tmp_path, progress=False
+    )
+    assert [s.kept_layers for s in resumed] == [s.kept_layers for s in straight]
+    assert [s.tau for s in resumed] == pytest.approx([s.tau for s in straight])
+    _, shorter = prune_drafter(
+        drafter, target, prompts, num_layers=3, max_new_tokens=16, state_dir=tmp_path, progress=False
+    )
+    assert [s.kept_layers for s in shorter] == [s.kept_layers for s in straight[:3]]
+    with pytest.raises(ValueError, match="other settings"):
+        prune_drafter(drafter, target, prompts[:1], num_layers=2, max_new_tokens=16, state_dir=tmp_path, progress=False)
+    plot_pruning_path(resumed, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
+def test_retention_floor_stops_before_falling_below():
+    target = tiny_target(sharpen=4.0, num_layers=4)
+    drafter = _drafter(target)
+    _, steps = prune_drafter(drafter, target, _prompts(), min_tau_retention=0.999, max_new_tokens=16, progress=False)
+    assert all(s.tau_retention >= 0.999 for s in steps)
+    with pytest.raises(ValueError, match="exactly one"):
+        prune_drafter(drafter, target, _prompts(), max_new_tokens=16)
+    with pytest.raises(ValueError, match="num_layers"):
+        prune_drafter(drafter, target, _prompts(), num_layers=4)
+
+
+@pytest.mark.parametrize("shares", [False, True])
+def test_pruned_checkpoint_reloads_with_the_same_logits(tmp_path, shares):
+    target = tiny_target(num_layers=4)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4, shares_target_weights=shares)
+    drafter.add_block_adapter(4)
+    if shares:
+        drafter.attach_target_weights(target)
+    pruned = pruned_drafter(drafter, [1, 3])
+    pruned.save_pretrained(tmp_path / "pruned")
+    ids = torch.tensor([_prompts(1)[0]])
+    masked = torch.zeros_like(ids, dtype=torch.bool)
+    masked[:, -2:] = True
+    expected = pruned(ids, masked_positions=masked).logits
+    for loaded in (
+        D3DForDiffusionDrafting.from_pretrained(tmp_path / "pruned"),
+        AutoModel.from_pretrained(tmp_path / "pruned", trust_remote_code=True),
+    ):
+        if shares:
+            loaded.attach_target_weights(target)
+        assert loaded.config.num_hidden_layers == 2 and loaded.config.source_layer_ids == [1, 3]
+        assert loaded.config.pruned_layer_ids == [1, 3]
+        torch.testing.assert_close(loaded(ids, masked_positions=masked).logits, expected)
+        ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+        out = target.generate(
+            ids, attention_mask=torch.ones_like(ids), assistant_model=loaded, max_new_tokens=12, do_sample=False
+        )
+        assert torch.equal(out, ref)
+
+
+def test_prune_command_on_smollm2(smollm2, tmp_path, capsys):
+    """`d3d-hf prune` end to end on the real target with a 3-layer drafter cut from it (kept small for speed)."""
+    from d3d_hf.cli import main
+
+    drafter_dir = tmp_path / "drafter"
+    assert (
+        main(["init-drafter", "--from", "smollm2-135m-instruct", "--num-layers", "3", "--output", str(drafter_dir)])
+        == 0
+    )
+    out = tmp_path / "pruned"
+    argv = [
+        "prune",
+        "--target",
+        "smollm2-135m-instruct",
+        "--drafter",
+        str(drafter_dir),
+        "--prompts",
+        "stdlib:3",
+        "--offset",
+        "1",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--num-layers",
+        "2",
+        "--output",
+        str(out),
+    ]
+    assert main(argv) == 0
+    record = json.loads((out / "pruning_path.json").read_text())
+    assert [s["num_layers"] for s in record["steps"]] == [3, 2]
+    assert len(record["prompt_ids"]) == 2 and (out / "pruning_curve.png").exists()
+    reloaded = D3DForDiffusionDrafting.from_pretrained(out)
+    assert (
+        reloaded.config.num_hidden_layers == 2 and reloaded.config.pruned_layer_ids == record["steps"][1]["kept_layers"]
+    )
+    assert main(argv) == 0  # resumed from the state: same result, nothing recomputed
+    assert json.loads((out / "pruning_path.json").read_text())["steps"] == record["steps"]
+    assert main([*argv[:-2], "--output", str(drafter_dir)]) == 2  # a non-empty folder without a state is refused
+    assert "not empty" in capsys.readouterr().err
+    assert main([*argv[:5], "--prompts", "humaneval", *argv[7:]]) == 2
