@@ -860,7 +860,12 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
     def build_candidate_generator(self, target=None, **kwargs) -> D3DCandidateGenerator:
         """Called by the patched `GenerationMixin._get_candidate_generator` of the target (see
         `generation_d3d.install_generation_hook`): returns the `D3DCandidateGenerator` for one `generate` call
-        (attaching the target's weights first for a `shares_target_weights` drafter)."""
+        (attaching the target's weights first for a `shares_target_weights` drafter).
+
+        Raises:
+            ValueError: if the target's vocabulary size differs from the drafter's, and for the prompts and drafters
+                `D3DCandidateGenerator` refuses (all before any forward pass).
+        """
         if target is not None:
             target_vocab = target.config.get_text_config().vocab_size
             if target_vocab != self.config.vocab_size:
@@ -872,7 +877,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
                 )
         if self.config.shares_target_weights and target is not None and self._attached_target is not target:
             self.attach_target_weights(target)
-        return D3DCandidateGenerator(drafter=self, **kwargs)
+        return D3DCandidateGenerator(drafter=self, target=target, **kwargs)
 
     @classmethod
     def from_autoregressive(
