@@ -9,6 +9,7 @@ shape `(batch_size, 1, query_len, key_len)`; `key_len` counts the cached tokens 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -401,6 +402,71 @@ class D3DDecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states), block_gate)
 
 
+def _with_variant(name: str, variant: str | None) -> str:
+    """`model.safetensors` -> `model.<variant>.safetensors` (transformers' naming of weight-file variants)."""
+    if not variant:
+        return name
+    parts = name.split(".")
+    return ".".join([*parts[:-1], variant, parts[-1]])
+
+
+def _safetensors_problem(path: str) -> str | None:
+    """What is wrong with the safetensors file at `path` (truncated, corrupt header), or `None` if its header is
+    sound and describes exactly the file's size. Reads only the header."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            return f"truncated ({size} bytes, shorter than a safetensors header)"
+        header_len = int.from_bytes(prefix, "little")
+        if header_len > size - 8:
+            return f"truncated (its header announces {header_len} bytes, the file holds {size - 8} after it)"
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError:
+            return "corrupt (its header is not valid JSON)"
+    if not isinstance(header, dict):
+        return "corrupt (its header is not a JSON object)"
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            end = max(end, int(entry["data_offsets"][1]))
+        except (TypeError, KeyError, IndexError, ValueError):
+            return f"corrupt (the header entry of {name!r} has no data offsets)"
+    if 8 + header_len + end != size:
+        return f"truncated or corrupt ({size} bytes, its header describes {8 + header_len + end})"
+    return None
+
+
+def _check_weight_files(folder: str, variant: str | None = None) -> None:
+    """Raises `OSError` naming the file when the safetensors weights of a local checkpoint folder are truncated or
+    corrupt (a missing weights file is left to transformers, which names it)."""
+    single = os.path.join(folder, _with_variant("model.safetensors", variant))
+    index = os.path.join(folder, _with_variant("model.safetensors.index.json", variant))
+    fix = (
+        "The save that wrote it was interrupted or the file was damaged in transfer: save the drafter again with "
+        "`save_pretrained`, or copy / download the folder again."
+    )
+    if os.path.isfile(single):
+        files = [single]
+    elif os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                files = sorted({os.path.join(folder, name) for name in json.load(f)["weight_map"].values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise OSError(f"{index} is corrupt ({type(err).__name__}: {err}). {fix}") from err
+    else:
+        return
+    for path in files:
+        if not os.path.isfile(path):
+            raise OSError(f"{path} is missing (listed in {os.path.basename(index)}). {fix}")
+        problem = _safetensors_problem(path)
+        if problem is not None:
+            raise OSError(f"{path} is {problem}. {fix}")
+
+
 @dataclass
 class D3DModelOutput(ModelOutput):
     """Output of `D3DModel` / `D3DForDiffusionDrafting`.
@@ -748,6 +814,56 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
                 f"attached yet: call `drafter.attach_target_weights(target)` with {self.config.target_model}, or "
                 "pass the drafter as `assistant_model` to `target.generate`, which attaches them."
             )
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        r"""
+        `PreTrainedModel.from_pretrained`, refusing checkpoints that would load as a different drafter than the one
+        saved: before loading, the safetensors files of a local folder are checked whole (header and size); after
+        loading, every weight the config requires must have come from the checkpoint (transformers would otherwise
+        initialise missing ones at random, with only a warning) and no stored weight may be left unused. For a
+        `shares_target_weights` drafter only the drafter-specific weights are required.
+
+        Raises:
+            OSError: if a weights file of a local folder is truncated or corrupt (naming the file).
+            ValueError: if the weights hold no mask embedding while `config.json` sets no `mask_token_id` (a drafter
+                without a mask token), lack other weights the config requires, or hold weights it has no place for
+                (config and weights of different drafters); if `config.json` lacks a required field (see
+                `D3DConfig.from_dict`).
+        """
+        if pretrained_model_name_or_path is not None:
+            folder = os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
+            if os.path.isdir(folder):
+                _check_weight_files(folder, kwargs.get("variant"))
+        output_loading_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
+        missing = sorted(info.get("missing_keys") or [])
+        unexpected = sorted(info.get("unexpected_keys") or [])
+        source = pretrained_model_name_or_path
+        if model.config.mask_token_id is None and any("mask_embedding" in key for key in missing):
+            raise ValueError(
+                f"The drafter at {source} has no mask token: its config.json sets no `mask_token_id` and its weights "
+                "hold no `model.mask_embedding.weight`. Set `mask_token_id` in config.json to the spare vocabulary id "
+                "the drafter was trained with, or create the drafter again (`d3d-hf init-drafter`, or "
+                "`D3DForDiffusionDrafting.from_autoregressive(target)` then `save_pretrained`)."
+            )
+        if missing:
+            raise ValueError(
+                f"The weights at {source} lack {len(missing)} tensor(s) its config.json requires, e.g. {missing[:4]}: "
+                "config.json and the weights belong to different drafters, or the save was incomplete. Save the "
+                "drafter again with `save_pretrained`, or correct config.json (`num_hidden_layers`, "
+                "`block_lora_rank`, `shares_target_weights`, ...)."
+            )
+        if unexpected:
+            raise ValueError(
+                f"The weights at {source} hold {len(unexpected)} tensor(s) its config.json has no place for, e.g. "
+                f"{unexpected[:4]}: config.json and the weights belong to different drafters. Save the drafter again "
+                "with `save_pretrained`, or correct config.json (`num_hidden_layers`, `block_lora_rank`, "
+                "`use_qk_norm`, ...)."
+            )
+        return (model, info) if output_loading_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`; a `shares_target_weights` drafter stores only its own weights."""
