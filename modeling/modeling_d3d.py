@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -467,6 +470,41 @@ def _check_weight_files(folder: str, variant: str | None = None) -> None:
             raise OSError(f"{path} is {problem}. {fix}")
 
 
+def _publish_folder(staging: str, final: str, variant: str | None = None) -> None:
+    """Moves every file written into `staging` to the same place under `final` with `os.replace` (each file
+    appears whole or not at all), weights after the other files and `config.json` last. Files of `final` that the
+    save did not write are kept, except weight files of an earlier save that the new ones supersede (a stale
+    `model.safetensors` would otherwise shadow new shards, stale shards would sit next to a new single file)."""
+    written = []
+    for root, _, files in os.walk(staging):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                try:
+                    os.fsync(f.fileno())  # on disk before it replaces anything (survives a power cut, not just a kill)
+                except OSError:  # platforms that cannot sync a read-only handle
+                    pass
+            written.append(os.path.relpath(path, staging))
+    single = _with_variant("model.safetensors", variant)
+    index = _with_variant("model.safetensors.index.json", variant)
+    shard = re.compile(re.escape(single[: -len(".safetensors")]) + r"-\d{5}-of-\d{5}\.safetensors")
+
+    def is_weights(name: str) -> bool:
+        return name in (single, index) or shard.fullmatch(name) is not None
+
+    order = {False: 0, True: 1}
+    written.sort(key=lambda rel: (rel == "config.json", order[is_weights(rel)], rel))
+    os.makedirs(final, exist_ok=True)
+    for rel in written:
+        destination = os.path.join(final, rel)
+        os.makedirs(os.path.dirname(destination), exist_ok=True)
+        os.replace(os.path.join(staging, rel), destination)
+    if any(is_weights(rel) for rel in written):
+        for name in os.listdir(final):
+            if is_weights(name) and name not in written and os.path.isfile(os.path.join(final, name)):
+                os.remove(os.path.join(final, name))
+
+
 @dataclass
 class D3DModelOutput(ModelOutput):
     """Output of `D3DModel` / `D3DForDiffusionDrafting`.
@@ -510,6 +548,12 @@ class D3DPreTrainedModel(PreTrainedModel):
         `PreTrainedModel.save_pretrained` (weights, `config.json` with `auto_map`, the remote-code bundle), plus the
         tokenizer files and the model card.
 
+        The save is atomic file by file: everything is written into a temporary sibling folder first, then each file
+        is moved into `save_directory` with `os.replace` (weights after the other files, `config.json` last), so an
+        interrupted save leaves the previous checkpoint there complete and loadable, never a half-written
+        `model.safetensors`. Files already in `save_directory` that this save does not write are kept (weight files
+        of an earlier save that the new weights supersede are removed, as transformers does for stale shards).
+
         Args:
             save_directory (`str` or `os.PathLike`):
                 Folder to write (created if needed).
@@ -524,17 +568,30 @@ class D3DPreTrainedModel(PreTrainedModel):
                 `private`, `create_pr`, `revision`, `tags` and `token` are passed on), so that the uploaded card is
                 this drafter's card rather than transformers' generic one.
             Other arguments are those of `PreTrainedModel.save_pretrained`.
+
+        Raises:
+            NotADirectoryError: if `save_directory` is an existing file.
         """
         push_kwargs = None
         if kwargs.pop("push_to_hub", False):
             hub_keys = ("repo_id", "commit_message", "commit_description", "private", "create_pr", "revision", "tags")
             push_kwargs = {key: kwargs.pop(key) for key in hub_keys if key in kwargs}
             push_kwargs["token"] = kwargs.get("token")
-        result = super().save_pretrained(save_directory, *args, **kwargs)
         if not kwargs.get("is_main_process", args[0] if args else True):
-            return result
-        if tokenizer is not None:
-            tokenizer.save_pretrained(save_directory)
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        final = os.path.abspath(os.fspath(save_directory))
+        if os.path.isfile(final):
+            raise NotADirectoryError(f"{save_directory} is a file; `save_pretrained` writes a folder: pass a folder.")
+        parent = os.path.dirname(final)
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.", suffix=".saving", dir=parent)
+        try:
+            result = super().save_pretrained(staging, *args, **kwargs)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
+            _publish_folder(staging, final, kwargs.get("variant"))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
         if model_card:
             try:
                 from d3d_hf.hub import write_model_card
