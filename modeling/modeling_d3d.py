@@ -548,8 +548,9 @@ class D3DPreTrainedModel(PreTrainedModel):
         `PreTrainedModel.save_pretrained` (weights, `config.json` with `auto_map`, the remote-code bundle), plus the
         tokenizer files and the model card.
 
-        The save is atomic file by file: everything is written into a temporary sibling folder first, then each file
-        is moved into `save_directory` with `os.replace` (weights after the other files, `config.json` last), so an
+        The save is atomic file by file: everything is written into a temporary sibling folder first (a hidden
+        folder inside `save_directory` when its parent is read-only), then each file is moved into `save_directory`
+        with `os.replace` (weights after the other files, `config.json` last), so an
         interrupted save leaves the previous checkpoint there complete and loadable, never a half-written
         `model.safetensors`. Files already in `save_directory` that this save does not write are kept (weight files
         of an earlier save that the new weights supersede are removed, as transformers does for stale shards).
@@ -579,12 +580,16 @@ class D3DPreTrainedModel(PreTrainedModel):
             push_kwargs["token"] = kwargs.get("token")
         if not kwargs.get("is_main_process", args[0] if args else True):
             return super().save_pretrained(save_directory, *args, **kwargs)
-        final = os.path.abspath(os.fspath(save_directory))
+        final = os.path.realpath(os.fspath(save_directory))  # symlinks resolved: staging on the same file system
         if os.path.isfile(final):
             raise NotADirectoryError(f"{save_directory} is a file; `save_pretrained` writes a folder: pass a folder.")
         parent = os.path.dirname(final)
         os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.", suffix=".saving", dir=parent)
+        try:
+            staging = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.", suffix=".saving", dir=parent)
+        except PermissionError:  # the parent is read-only (e.g. the root of a mounted volume): stage inside
+            os.makedirs(final, exist_ok=True)
+            staging = tempfile.mkdtemp(prefix=".d3d-", suffix=".saving", dir=final)
         try:
             result = super().save_pretrained(staging, *args, **kwargs)
             if tokenizer is not None:

@@ -9,6 +9,7 @@ into a folder that holds other files.
 """
 
 import json
+import os
 import shutil
 
 import pytest
@@ -704,6 +705,25 @@ def test_save_into_a_folder_with_other_files_keeps_them(tmp_path):
     assert (folder / "train.log").read_text() == "step 1"
     assert (folder / "README.md").read_text() == "# my own card\n"
     _assert_same_weights(load_drafter(str(folder)), second)
+
+
+def test_save_stages_inside_the_folder_when_its_parent_is_read_only(tmp_path, monkeypatch):
+    import tempfile
+
+    first, second = _two_drafters()
+    folder = tmp_path / "ckpt"
+    first.save_pretrained(folder)
+    real_mkdtemp = tempfile.mkdtemp
+
+    def mkdtemp(*args, dir=None, **kwargs):
+        if os.path.realpath(str(dir)) == os.path.realpath(tmp_path):
+            raise PermissionError(13, "Permission denied", str(dir))
+        return real_mkdtemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    second.save_pretrained(folder)
+    _assert_same_weights(load_drafter(str(folder)), second)
+    assert not any(p.name.endswith(".saving") for p in [*tmp_path.iterdir(), *folder.iterdir()])
 
 
 @pytest.mark.parametrize("order", ["sharded_then_single", "single_then_sharded"])
