@@ -811,3 +811,35 @@ def test_resume_never_picks_a_half_written_checkpoint(train_target, tmp_path, mo
     (run / "checkpoint-4").mkdir()
     with pytest.raises(ValueError, match="checkpoint-4 is not a complete checkpoint.*checkpoint-2"):
         again.train(resume_from_checkpoint=str(run / "checkpoint-4"))
+
+
+def test_train_command_resumes_from_the_last_complete_checkpoint(train_target, tmp_path, monkeypatch):
+    """`d3d-hf train --resume_from_checkpoint auto` after a run killed while writing checkpoint-4 resumes from
+    checkpoint-2 and saves the drafter an uninterrupted run saves."""
+    import d3d_hf.targets
+    from d3d_hf.training import D3DTrainScriptArguments, train_drafter
+
+    _tiny_dataset(train_target).save_to_disk(str(tmp_path / "data"))
+    monkeypatch.setattr(d3d_hf.targets, "load_target", lambda name, dtype="float32": (train_target, None))
+    script = D3DTrainScriptArguments(target="tiny", data=str(tmp_path / "data"), tau_holdout=1, init_block_size=BLOCK)
+
+    def run(output, **kwargs):
+        config = _config(output, max_steps=4, save_strategy="steps", save_steps=2, **kwargs)
+        return train_drafter(script, config)
+
+    want = run(tmp_path / "full").drafter_state_dict()
+    real_torch_save = torch.save
+
+    def torch_save(obj, f, *args, **kwargs):
+        if "checkpoint-4" in str(f) and str(f).endswith("optimizer.pt"):
+            raise KeyboardInterrupt("killed while writing the optimizer state")
+        return real_torch_save(obj, f, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", torch_save)
+        with pytest.raises(KeyboardInterrupt):
+            run(tmp_path / "run")
+    got = run(tmp_path / "run", resume_from_checkpoint="auto").drafter_state_dict()
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)

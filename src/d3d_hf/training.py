@@ -358,7 +358,7 @@ class D3DTrainer(Trainer):
 
     Args:
         model (`D3DForDiffusionDrafting`): the drafter to train (block adapters are added for
-            `train_mode="block_adapter"` when it has none).
+            `train_mode="block_adapter"` when it has none, initialised from `args.seed`).
         args (`D3DTrainingConfig`): configuration.
         train_dataset: rows with `prompt_ids` and `response_ids` (as `d3d-hf data` writes).
         processing_class: the tokenizer (its pad id is used for padding; saved with checkpoints).
@@ -406,7 +406,12 @@ class D3DTrainer(Trainer):
         self.clean_requires_grad = True
         if args.train_mode == "block_adapter":
             if model.config.block_lora_rank == 0:
-                model.add_block_adapter(args.block_lora_rank, args.block_lora_alpha)
+                # new adapters follow `args.seed`, not whatever state the global generator is in (two runs of the
+                # same command in one process would otherwise start from different adapters)
+                devices = [model.device.index or 0] if model.device.type == "cuda" else []
+                with torch.random.fork_rng(devices=devices):
+                    torch.manual_seed(args.seed)
+                    model.add_block_adapter(args.block_lora_rank, args.block_lora_alpha)
             for name, param in model.named_parameters():
                 trainable = model.is_drafter_specific(name)
                 param.requires_grad_(trainable)
