@@ -6,6 +6,24 @@ Part of the self-contained remote-code bundle: imports only the public transform
 from transformers import PretrainedConfig
 
 DEFAULT_BLOCK_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: Fields a saved config (`config.json`) must hold: their defaults would silently build a different drafter
+#: (other shapes, other numerics, a different block size) from the same weights. `save_pretrained` writes them all.
+REQUIRED_CONFIG_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_parameters",
+    "use_qk_norm",
+    "tie_word_embeddings",
+    "block_size",
+    "block_lora_rank",
+    "shares_target_weights",
+)
 
 
 class D3DConfig(PretrainedConfig):
@@ -88,7 +106,8 @@ class D3DConfig(PretrainedConfig):
 
     Raises:
         ValueError: if `block_size < 1`, the heads do not divide evenly, `source_layer_ids` has the wrong length,
-            or `mask_token_id` is outside the vocabulary.
+            or `mask_token_id` is outside the vocabulary; from `from_dict` / `from_pretrained`, if the saved config
+            lacks one of `REQUIRED_CONFIG_FIELDS`.
 
     Example:
 
@@ -203,5 +222,26 @@ class D3DConfig(PretrainedConfig):
             **kwargs,
         )
 
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """`PretrainedConfig.from_dict` (what `from_pretrained` and `AutoConfig` call on a loaded `config.json`), after
+        checking that the dict holds every field of `REQUIRED_CONFIG_FIELDS` (given here or as a keyword argument).
 
-__all__ = ["DEFAULT_BLOCK_LORA_MODULES", "D3DConfig"]
+        Raises:
+            ValueError: naming the missing fields.
+        """
+        present = set(config_dict) | set(kwargs)
+        if "rope_theta" in present:  # the pre-transformers-5 spelling of the rope parameters
+            present.add("rope_parameters")
+        missing = [name for name in REQUIRED_CONFIG_FIELDS if name not in present]
+        if missing:
+            raise ValueError(
+                f"This D3D drafter's config (config.json) lacks the required field(s) {missing}; their defaults would "
+                "build a different drafter than the one the weights belong to. Add them to config.json with the "
+                "values the drafter was built with, or save the drafter again with `save_pretrained` (it writes "
+                "every field)."
+            )
+        return super().from_dict(config_dict, **kwargs)
+
+
+__all__ = ["DEFAULT_BLOCK_LORA_MODULES", "REQUIRED_CONFIG_FIELDS", "D3DConfig"]

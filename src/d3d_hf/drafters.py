@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -46,6 +47,38 @@ def ensure_writable_dir(path: str | os.PathLike, overwrite: bool = False) -> Pat
     return path
 
 
+def _check_local_drafter_folder(folder: str) -> None:
+    """The checks `load_drafter` makes on a local folder before transformers reads it (transformers would ask
+    interactively about remote code for a config without `model_type`, and name no fix for a missing weights file).
+    """
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(
+            f"No drafter folder at {folder}; create one with `d3d-hf init-drafter --from TARGET --output DIR`."
+        )
+    config_file = os.path.join(folder, "config.json")
+    if not os.path.exists(config_file):
+        raise FileNotFoundError(f"{folder} has no config.json: it is not a saved drafter folder.")
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            config = json.load(f)
+    except ValueError as err:
+        raise ValueError(
+            f"{config_file} is not valid JSON ({err}): the save that wrote it was interrupted or the file was edited "
+            "by hand. Save the drafter again with `save_pretrained`, or repair the file."
+        ) from err
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ValueError(
+            f'{config_file} has no `model_type`: add `"model_type": "d3d"` if the folder holds a D3D drafter, '
+            "or save the drafter again with `save_pretrained`."
+        )
+    names = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+    if config.get("model_type") == "d3d" and not any(os.path.exists(os.path.join(folder, n)) for n in names):
+        raise FileNotFoundError(
+            f"{folder} has a config.json but no weights (model.safetensors): the save that wrote it stopped before "
+            "the weights. Save the drafter again with `save_pretrained`."
+        )
+
+
 def load_drafter(
     name_or_path: str, dtype: torch.dtype | str = torch.float32, device: str = "cpu"
 ) -> D3DForDiffusionDrafting:
@@ -63,17 +96,17 @@ def load_drafter(
         `D3DForDiffusionDrafting` in eval mode.
 
     Raises:
-        FileNotFoundError: if a local-looking path does not exist.
-        ValueError: if the checkpoint is not a D3D drafter.
+        FileNotFoundError: if a local-looking path does not exist, or a local folder has no config.json or no
+            weights file.
+        ValueError: if the checkpoint is not a D3D drafter, its config.json is not valid JSON, lacks `model_type`
+            or a required field (`D3DConfig.from_dict`), or its weights do not match its config (no mask token,
+            missing or unused tensors; `D3DForDiffusionDrafting.from_pretrained`).
+        OSError: if a weights file is truncated or corrupt.
     """
     name_or_path = resolve_drafter(name_or_path)
     looks_local = os.path.sep in name_or_path or name_or_path.startswith(".") or os.path.exists(name_or_path)
-    if looks_local and not os.path.isdir(name_or_path):
-        raise FileNotFoundError(
-            f"No drafter folder at {name_or_path}; create one with `d3d-hf init-drafter --from TARGET --output DIR`."
-        )
-    if looks_local and not os.path.exists(os.path.join(name_or_path, "config.json")):
-        raise FileNotFoundError(f"{name_or_path} has no config.json: it is not a saved drafter folder.")
+    if looks_local:
+        _check_local_drafter_folder(name_or_path)
     try:
         config = AutoConfig.from_pretrained(name_or_path)
     except OSError as err:

@@ -23,9 +23,13 @@ Objective (docs/DESIGN.md section 3; BD3-LM block-diffusion attention, arXiv 250
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import re
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -252,7 +256,8 @@ def d3d_losses(
     Returns:
         `dict` with scalar float32 tensors `block_loss` (weighted mean over scored block positions; 0 when none),
         `ar_loss` (mean next-token loss over response tokens; 0 when not computed), and counts `block_tokens`,
-        `ar_tokens`.
+        `ar_tokens`. A loss with nothing to score is an exact 0 that is still connected to the forward passes, so a
+        batch of sequences too short to score trains as a zero-gradient step instead of failing in `backward`.
     """
     input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
     anchors, block_masked = inputs["anchors"], inputs["block_masked"]
@@ -279,7 +284,7 @@ def d3d_losses(
             logits = head(hidden[keep]).float()
             losses["ar_loss"] = F.cross_entropy(logits, input_ids[:, 1:][keep])
         else:
-            losses["ar_loss"] = zero
+            losses["ar_loss"] = clean.last_hidden_state[:, :0].float().sum()  # 0, on the autograd graph if any
         losses["ar_tokens"] = keep.sum()
     else:
         losses["ar_loss"], losses["ar_tokens"] = zero, torch.zeros((), dtype=torch.long, device=device)
@@ -321,9 +326,39 @@ def d3d_losses(
         ce = F.cross_entropy(logits, targets[scored], reduction="none")
         losses["block_loss"] = (ce * weights[scored]).sum() / weights[scored].sum()
     else:
-        losses["block_loss"] = zero
+        losses["block_loss"] = noisy.logits[:, :0].float().sum()  # 0, on the autograd graph of the trained weights
     losses["block_tokens"] = scored.sum()
     return losses
+
+
+_CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def is_complete_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether a `Trainer` checkpoint folder was written to the end.
+
+    `Trainer` writes `trainer_state.json` after the model, optimizer, scheduler and RNG state, so a folder whose
+    `trainer_state.json` is missing or unreadable is the remainder of an interrupted save.
+    """
+    try:
+        json.loads((Path(path) / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The `checkpoint-N` folder of `output_dir` with the largest `N` that `is_complete_checkpoint` accepts (`None`
+    if there is none). transformers' `get_last_checkpoint` takes the largest `N` even when its save was cut short."""
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return None
+    steps = [
+        (int(match.group(1)), child)
+        for child in folder.iterdir()
+        if (match := _CHECKPOINT_NAME.match(child.name)) and child.is_dir() and is_complete_checkpoint(child)
+    ]
+    return str(max(steps)[1]) if steps else None
 
 
 class _EpochCallback(TrainerCallback):
@@ -355,7 +390,7 @@ class D3DTrainer(Trainer):
 
     Args:
         model (`D3DForDiffusionDrafting`): the drafter to train (block adapters are added for
-            `train_mode="block_adapter"` when it has none).
+            `train_mode="block_adapter"` when it has none, initialised from `args.seed`).
         args (`D3DTrainingConfig`): configuration.
         train_dataset: rows with `prompt_ids` and `response_ids` (as `d3d-hf data` writes).
         processing_class: the tokenizer (its pad id is used for padding; saved with checkpoints).
@@ -417,7 +452,12 @@ class D3DTrainer(Trainer):
         self.clean_requires_grad = True
         if args.train_mode == "block_adapter":
             if model.config.block_lora_rank == 0:
-                model.add_block_adapter(args.block_lora_rank, args.block_lora_alpha)
+                # new adapters follow `args.seed`, not whatever state the global generator is in (two runs of the
+                # same command in one process would otherwise start from different adapters)
+                devices = [model.device.index or 0] if model.device.type == "cuda" else []
+                with torch.random.fork_rng(devices=devices):
+                    torch.manual_seed(args.seed)
+                    model.add_block_adapter(args.block_lora_rank, args.block_lora_alpha)
             for name, param in model.named_parameters():
                 trainable = model.is_drafter_specific(name)
                 param.requires_grad_(trainable)
@@ -472,6 +512,38 @@ class D3DTrainer(Trainer):
                 logs[key] = sum(values) / len(values)
             self._loss_parts = {}
         super().log(logs, *args, **kwargs)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
+        """`Trainer.train`, resuming only from complete checkpoints.
+
+        Args:
+            resume_from_checkpoint (`str` or `bool`, *optional*): a `checkpoint-N` folder, or `True` for the last
+                complete one in `output_dir` (`last_complete_checkpoint`: folders that an interrupted save left
+                half-written are skipped, where transformers would pick them).
+            trial, ignore_keys_for_eval: as in `Trainer.train`.
+
+        Raises:
+            ValueError: if `resume_from_checkpoint=True` and `output_dir` holds no complete checkpoint, or the given
+                folder is not a complete checkpoint (naming the last complete one).
+        """
+        if resume_from_checkpoint is True:
+            found = last_complete_checkpoint(self.args.output_dir)
+            if found is None:
+                raise ValueError(
+                    f"No complete checkpoint in {self.args.output_dir} (a `checkpoint-N` folder with a readable "
+                    "trainer_state.json) to resume from: train without `resume_from_checkpoint`."
+                )
+            resume_from_checkpoint = found
+        elif resume_from_checkpoint and not is_complete_checkpoint(resume_from_checkpoint):
+            last = last_complete_checkpoint(Path(resume_from_checkpoint).parent)
+            raise ValueError(
+                f"{resume_from_checkpoint} is not a complete checkpoint (no readable trainer_state.json: its save "
+                f"was interrupted). Resume from {last or 'an earlier complete checkpoint'} instead, or pass "
+                "`resume_from_checkpoint=True` to pick the last complete one."
+            )
+        return super().train(
+            resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
+        )
 
     @torch.no_grad()
     def measure_tau(self) -> float:
@@ -534,8 +606,6 @@ def load_training_dataset(path: str):
     Raises:
         FileNotFoundError: if neither holds a saved dataset.
     """
-    from pathlib import Path
-
     from datasets import load_from_disk
 
     for candidate in (Path(path) / "dataset", Path(path)):
@@ -555,10 +625,6 @@ def train_drafter(script: D3DTrainScriptArguments, config: D3DTrainingConfig) ->
         ValueError: if the dataset is too small for the hold-out, or shared weights are asked with a mode that
             trains them.
     """
-    from pathlib import Path
-
-    from transformers.trainer_utils import get_last_checkpoint
-
     from .drafters import load_drafter
     from .targets import load_target
 
@@ -567,7 +633,7 @@ def train_drafter(script: D3DTrainScriptArguments, config: D3DTrainingConfig) ->
     output = Path(config.output_dir)
     resume = config.resume_from_checkpoint
     if resume in ("auto", "true", "True", True):
-        resume = get_last_checkpoint(str(output)) if output.exists() else None
+        resume = last_complete_checkpoint(output)  # never a checkpoint whose save was interrupted
     if output.exists() and any(output.iterdir()) and not resume and not script.overwrite:
         raise FileExistsError(
             f"{output} is not empty: pass --resume_from_checkpoint auto to continue a run there, or --overwrite."
@@ -628,6 +694,8 @@ __all__ = [
     "TauCallback",
     "block_diffusion_attention_mask",
     "d3d_losses",
+    "is_complete_checkpoint",
+    "last_complete_checkpoint",
     "load_training_dataset",
     "train_drafter",
 ]

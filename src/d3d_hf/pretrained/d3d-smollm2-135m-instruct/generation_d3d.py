@@ -145,11 +145,13 @@ class D3DCandidateGenerator(CandidateGenerator):
         generation_config (`GenerationConfig`): the target's generation config for this call.
         logits_processor (`LogitsProcessorList`): the target's logits processors (and warpers when sampling).
         target_tokenizer (`PreTrainedTokenizerBase`, *optional*): needed for `stop_strings`.
+        target (`PreTrainedModel`, *optional*): the target; its `max_position_embeddings` bounds the prompt.
         Other keyword arguments of transformers' candidate-generator factory are accepted and ignored.
 
     Raises:
-        ValueError: for a batch size other than 1, `stop_strings` without a tokenizer, or `d3d_num_hypotheses`
-            outside `[1, block_size]`.
+        ValueError: before any forward pass, for a batch size other than 1, an empty prompt, a prompt longer than
+            the target's or the drafter's `max_position_embeddings`, a drafter without a mask token,
+            `stop_strings` without a tokenizer, or `d3d_num_hypotheses` outside `[1, block_size]`.
     """
 
     def __init__(
@@ -159,6 +161,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         generation_config,
         logits_processor=None,
         target_tokenizer=None,
+        target=None,
         **unused: Any,
     ) -> None:
         if input_ids.shape[0] != 1:
@@ -166,6 +169,7 @@ class D3DCandidateGenerator(CandidateGenerator):
                 f"D3D speculative decoding runs one sequence at a time (transformers' assisted generation is batch "
                 f"size 1 only); got a batch of {input_ids.shape[0]}. Call `generate` once per prompt."
             )
+        _check_prompt_and_drafter(drafter, input_ids.shape[1], target)
         self.drafter = drafter
         self.block_size = int(drafter.config.block_size)
         self.do_sample = bool(generation_config.do_sample)
@@ -384,6 +388,32 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.stats.acceptance_lengths.append(num_matches + 1)
         if self._draft_end is not None:
             self.stats.verify_seconds.append(now - self._draft_end)
+
+
+def _check_prompt_and_drafter(drafter: D3DForDiffusionDrafting, prompt_length: int, target=None) -> None:
+    """Raises a `ValueError` that says what to change when D3D cannot decode this prompt with this drafter."""
+    if prompt_length < 1:
+        raise ValueError(
+            "The prompt is empty (0 tokens): D3D drafts after the last committed token, so it needs at least one. "
+            "Pass a prompt of one token or more (for example `[[tokenizer.bos_token_id]]`)."
+        )
+    limits = [("drafter", drafter.config)]
+    if target is not None:
+        limits.insert(0, ("target", target.config.get_text_config()))
+    for name, config in limits:
+        context = getattr(config, "max_position_embeddings", None)
+        if context is not None and prompt_length > context:
+            raise ValueError(
+                f"The prompt has {prompt_length} tokens but the {name}'s context is {context} tokens "
+                f"(`max_position_embeddings`): shorten the prompt to at most {context} tokens, for example by "
+                "keeping its last tokens."
+            )
+    if drafter.config.mask_token_id is None and getattr(drafter.model, "mask_embedding", None) is None:
+        raise ValueError(
+            "This drafter has no mask token: `config.mask_token_id` is None and it has no `mask_embedding`. Set "
+            "`drafter.config.mask_token_id` to the spare vocabulary id it was built with, or re-create it with "
+            "`D3DForDiffusionDrafting.from_autoregressive(target)`."
+        )
 
 
 def _as_id_list(value) -> list[int]:

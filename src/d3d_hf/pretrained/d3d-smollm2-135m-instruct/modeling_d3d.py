@@ -9,7 +9,11 @@ shape `(batch_size, 1, query_len, key_len)`; `key_len` counts the cached tokens 
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -470,6 +474,106 @@ class D3DDecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states), block_gate)
 
 
+def _with_variant(name: str, variant: str | None) -> str:
+    """`model.safetensors` -> `model.<variant>.safetensors` (transformers' naming of weight-file variants)."""
+    if not variant:
+        return name
+    parts = name.split(".")
+    return ".".join([*parts[:-1], variant, parts[-1]])
+
+
+def _safetensors_problem(path: str) -> str | None:
+    """What is wrong with the safetensors file at `path` (truncated, corrupt header), or `None` if its header is
+    sound and describes exactly the file's size. Reads only the header."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            return f"truncated ({size} bytes, shorter than a safetensors header)"
+        header_len = int.from_bytes(prefix, "little")
+        if header_len > size - 8:
+            return f"truncated (its header announces {header_len} bytes, the file holds {size - 8} after it)"
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError:
+            return "corrupt (its header is not valid JSON)"
+    if not isinstance(header, dict):
+        return "corrupt (its header is not a JSON object)"
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            end = max(end, int(entry["data_offsets"][1]))
+        except (TypeError, KeyError, IndexError, ValueError):
+            return f"corrupt (the header entry of {name!r} has no data offsets)"
+    if 8 + header_len + end != size:
+        return f"truncated or corrupt ({size} bytes, its header describes {8 + header_len + end})"
+    return None
+
+
+def _check_weight_files(folder: str, variant: str | None = None) -> None:
+    """Raises `OSError` naming the file when the safetensors weights of a local checkpoint folder are truncated or
+    corrupt (a missing weights file is left to transformers, which names it)."""
+    single = os.path.join(folder, _with_variant("model.safetensors", variant))
+    index = os.path.join(folder, _with_variant("model.safetensors.index.json", variant))
+    fix = (
+        "The save that wrote it was interrupted or the file was damaged in transfer: save the drafter again with "
+        "`save_pretrained`, or copy / download the folder again."
+    )
+    if os.path.isfile(single):
+        files = [single]
+    elif os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                files = sorted({os.path.join(folder, name) for name in json.load(f)["weight_map"].values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise OSError(f"{index} is corrupt ({type(err).__name__}: {err}). {fix}") from err
+    else:
+        return
+    for path in files:
+        if not os.path.isfile(path):
+            raise OSError(f"{path} is missing (listed in {os.path.basename(index)}). {fix}")
+        problem = _safetensors_problem(path)
+        if problem is not None:
+            raise OSError(f"{path} is {problem}. {fix}")
+
+
+def _publish_folder(staging: str, final: str, variant: str | None = None) -> None:
+    """Moves every file written into `staging` to the same place under `final` with `os.replace` (each file
+    appears whole or not at all), weights after the other files and `config.json` last. Files of `final` that the
+    save did not write are kept, except weight files of an earlier save that the new ones supersede (a stale
+    `model.safetensors` would otherwise shadow new shards, stale shards would sit next to a new single file)."""
+    written = []
+    for root, _, files in os.walk(staging):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                try:
+                    os.fsync(f.fileno())  # on disk before it replaces anything (survives a power cut, not just a kill)
+                except OSError:  # platforms that cannot sync a read-only handle
+                    pass
+            written.append(os.path.relpath(path, staging))
+    single = _with_variant("model.safetensors", variant)
+    index = _with_variant("model.safetensors.index.json", variant)
+    shard = re.compile(re.escape(single[: -len(".safetensors")]) + r"-\d{5}-of-\d{5}\.safetensors")
+
+    def is_weights(name: str) -> bool:
+        return name in (single, index) or shard.fullmatch(name) is not None
+
+    order = {False: 0, True: 1}
+    written.sort(key=lambda rel: (rel == "config.json", order[is_weights(rel)], rel))
+    os.makedirs(final, exist_ok=True)
+    for rel in written:
+        destination = os.path.join(final, rel)
+        os.makedirs(os.path.dirname(destination), exist_ok=True)
+        os.replace(os.path.join(staging, rel), destination)
+    if any(is_weights(rel) for rel in written):
+        for name in os.listdir(final):
+            if is_weights(name) and name not in written and os.path.isfile(os.path.join(final, name)):
+                os.remove(os.path.join(final, name))
+
+
 @dataclass
 class D3DModelOutput(ModelOutput):
     """Output of `D3DModel` / `D3DForDiffusionDrafting`.
@@ -513,6 +617,13 @@ class D3DPreTrainedModel(PreTrainedModel):
         `PreTrainedModel.save_pretrained` (weights, `config.json` with `auto_map`, the remote-code bundle), plus the
         tokenizer files and the model card.
 
+        The save is atomic file by file: everything is written into a temporary sibling folder first (a hidden
+        folder inside `save_directory` when its parent is read-only), then each file is moved into `save_directory`
+        with `os.replace` (weights after the other files, `config.json` last), so an
+        interrupted save leaves the previous checkpoint there complete and loadable, never a half-written
+        `model.safetensors`. Files already in `save_directory` that this save does not write are kept (weight files
+        of an earlier save that the new weights supersede are removed, as transformers does for stale shards).
+
         Args:
             save_directory (`str` or `os.PathLike`):
                 Folder to write (created if needed).
@@ -527,17 +638,34 @@ class D3DPreTrainedModel(PreTrainedModel):
                 `private`, `create_pr`, `revision`, `tags` and `token` are passed on), so that the uploaded card is
                 this drafter's card rather than transformers' generic one.
             Other arguments are those of `PreTrainedModel.save_pretrained`.
+
+        Raises:
+            NotADirectoryError: if `save_directory` is an existing file.
         """
         push_kwargs = None
         if kwargs.pop("push_to_hub", False):
             hub_keys = ("repo_id", "commit_message", "commit_description", "private", "create_pr", "revision", "tags")
             push_kwargs = {key: kwargs.pop(key) for key in hub_keys if key in kwargs}
             push_kwargs["token"] = kwargs.get("token")
-        result = super().save_pretrained(save_directory, *args, **kwargs)
         if not kwargs.get("is_main_process", args[0] if args else True):
-            return result
-        if tokenizer is not None:
-            tokenizer.save_pretrained(save_directory)
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        final = os.path.realpath(os.fspath(save_directory))  # symlinks resolved: staging on the same file system
+        if os.path.isfile(final):
+            raise NotADirectoryError(f"{save_directory} is a file; `save_pretrained` writes a folder: pass a folder.")
+        parent = os.path.dirname(final)
+        os.makedirs(parent, exist_ok=True)
+        try:
+            staging = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.", suffix=".saving", dir=parent)
+        except PermissionError:  # the parent is read-only (e.g. the root of a mounted volume): stage inside
+            os.makedirs(final, exist_ok=True)
+            staging = tempfile.mkdtemp(prefix=".d3d-", suffix=".saving", dir=final)
+        try:
+            result = super().save_pretrained(staging, *args, **kwargs)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
+            _publish_folder(staging, final, kwargs.get("variant"))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
         if model_card:
             try:
                 from d3d_hf.hub import write_model_card
@@ -838,6 +966,56 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
                 "pass the drafter as `assistant_model` to `target.generate`, which attaches them."
             )
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        r"""
+        `PreTrainedModel.from_pretrained`, refusing checkpoints that would load as a different drafter than the one
+        saved: before loading, the safetensors files of a local folder are checked whole (header and size); after
+        loading, every weight the config requires must have come from the checkpoint (transformers would otherwise
+        initialise missing ones at random, with only a warning) and no stored weight may be left unused. For a
+        `shares_target_weights` drafter only the drafter-specific weights are required.
+
+        Raises:
+            OSError: if a weights file of a local folder is truncated or corrupt (naming the file).
+            ValueError: if the weights hold no mask embedding while `config.json` sets no `mask_token_id` (a drafter
+                without a mask token), lack other weights the config requires, or hold weights it has no place for
+                (config and weights of different drafters); if `config.json` lacks a required field (see
+                `D3DConfig.from_dict`).
+        """
+        if pretrained_model_name_or_path is not None:
+            folder = os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
+            if os.path.isdir(folder):
+                _check_weight_files(folder, kwargs.get("variant"))
+        output_loading_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
+        missing = sorted(info.get("missing_keys") or [])
+        unexpected = sorted(info.get("unexpected_keys") or [])
+        source = pretrained_model_name_or_path
+        if model.config.mask_token_id is None and any("mask_embedding" in key for key in missing):
+            raise ValueError(
+                f"The drafter at {source} has no mask token: its config.json sets no `mask_token_id` and its weights "
+                "hold no `model.mask_embedding.weight`. Set `mask_token_id` in config.json to the spare vocabulary id "
+                "the drafter was trained with, or create the drafter again (`d3d-hf init-drafter`, or "
+                "`D3DForDiffusionDrafting.from_autoregressive(target)` then `save_pretrained`)."
+            )
+        if missing:
+            raise ValueError(
+                f"The weights at {source} lack {len(missing)} tensor(s) its config.json requires, e.g. {missing[:4]}: "
+                "config.json and the weights belong to different drafters, or the save was incomplete. Save the "
+                "drafter again with `save_pretrained`, or correct config.json (`num_hidden_layers`, "
+                "`block_lora_rank`, `shares_target_weights`, ...)."
+            )
+        if unexpected:
+            raise ValueError(
+                f"The weights at {source} hold {len(unexpected)} tensor(s) its config.json has no place for, e.g. "
+                f"{unexpected[:4]}: config.json and the weights belong to different drafters. Save the drafter again "
+                "with `save_pretrained`, or correct config.json (`num_hidden_layers`, `block_lora_rank`, "
+                "`use_qk_norm`, ...)."
+            )
+        return (model, info) if output_loading_info else model
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`; a `shares_target_weights` drafter stores only its own weights."""
         if self.config.shares_target_weights:
@@ -1022,7 +1200,12 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
     def build_candidate_generator(self, target=None, **kwargs) -> D3DCandidateGenerator:
         """Called by the patched `GenerationMixin._get_candidate_generator` of the target (see
         `generation_d3d.install_generation_hook`): returns the `D3DCandidateGenerator` for one `generate` call
-        (attaching the target's weights first for a `shares_target_weights` drafter)."""
+        (attaching the target's weights first for a `shares_target_weights` drafter).
+
+        Raises:
+            ValueError: if the target's vocabulary size differs from the drafter's, and for the prompts and drafters
+                `D3DCandidateGenerator` refuses (all before any forward pass).
+        """
         if target is not None:
             target_vocab = target.config.get_text_config().vocab_size
             if target_vocab != self.config.vocab_size:
@@ -1034,7 +1217,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
                 )
         if self.config.shares_target_weights and target is not None and self._attached_target is not target:
             self.attach_target_weights(target)
-        return D3DCandidateGenerator(drafter=self, **kwargs)
+        return D3DCandidateGenerator(drafter=self, target=target, **kwargs)
 
     @classmethod
     def from_autoregressive(
