@@ -75,3 +75,41 @@ def test_twenty_humaneval_prompts_lossless(smollm2, drafter):
                 assert _generate(model, ids, drafter, max_new_tokens=128)[0].tolist() == ref, (prompt.id, block_size)
     finally:
         drafter.config.block_size = 16
+
+
+def test_async_with_the_shipped_drafter_is_lossless(smollm2):
+    """d3d-async on the real target with the trained drafter: identical output, and packed blocks get used."""
+    from transformers import GenerationConfig
+
+    from d3d_hf.drafters import load_drafter
+
+    model, tokenizer = smollm2
+    drafter = load_drafter("d3d-smollm2-135m-instruct")
+    ids = encode_prompt(tokenizer, load_prompts("humaneval", limit=1)[0])
+    ref = _generate(model, ids, max_new_tokens=48)
+    config = GenerationConfig(max_new_tokens=48, do_sample=False, d3d_async=True, d3d_num_hypotheses=8)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, generation_config=config)
+    assert out[0].tolist() == ref[0].tolist()
+    stats = drafter.last_generation_stats
+    assert stats.asynchronous and stats.hits > 0
+
+
+@pytest.mark.slow
+def test_twenty_humaneval_prompts_lossless_async(smollm2):
+    """The async issue's acceptance check: d3d-async with the shipped drafter on 20 HumanEval prompts x 128 new
+    tokens equals target-only decoding in float32, for 1, 4 and B hypotheses."""
+    from transformers import GenerationConfig
+
+    from d3d_hf.drafters import load_drafter
+
+    model, tokenizer = smollm2
+    drafter = load_drafter("d3d-smollm2-135m-instruct")
+    for prompt in load_prompts("humaneval", limit=20):
+        ids = encode_prompt(tokenizer, prompt)
+        ref = _generate(model, ids, max_new_tokens=128)[0].tolist()
+        for num_hypotheses in (1, 4, 16):
+            config = GenerationConfig(max_new_tokens=128, do_sample=False, d3d_async=True,
+                                      d3d_num_hypotheses=num_hypotheses)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                                 generation_config=config)
+            assert out[0].tolist() == ref, (prompt.id, num_hypotheses)
