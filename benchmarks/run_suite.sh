@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmark suite recorded in benchmarks/results/suite/ and shown in README.md: every method (target, pld,
-# ar-assist, d3d) on every prompt set (humaneval, gsm8k, mt-bench) for SmolLM2-135M-Instruct with the shipped drafter
+# ar-assist, d3d, d3d-async with 4 hypotheses) on every prompt set (humaneval, gsm8k, mt-bench) for SmolLM2-135M-Instruct with the shipped drafter
 # d3d-smollm2-135m-instruct, in float32 and bfloat16, with the cost model; then the combined report (plots) and the
 # README tables. Run on an otherwise idle machine (a concurrent CPU job distorts tokens/s badly on 2 cores).
 # Resumable: a finished (prompt set, dtype) folder is kept; FORCE=1 reruns everything.
@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 THREADS=${THREADS:-2}
-LIMIT=${LIMIT:-10}
+LIMIT=${LIMIT:-6}
 NEW_TOKENS=${NEW_TOKENS:-128}
 SETS=${SETS:-"humaneval gsm8k mt-bench"}
 ASSISTANT=${ASSISTANT:-runs/smollm2-ar-assistant}
@@ -26,7 +26,7 @@ for dtype in float32 bfloat16; do
       echo "kept $dir (FORCE=1 to rerun)"
       continue
     fi
-    d3d-hf bench --drafter d3d-smollm2-135m-instruct --assistant "$ASSISTANT" --methods target,pld,ar-assist,d3d \
+    d3d-hf bench --drafter d3d-smollm2-135m-instruct --assistant "$ASSISTANT" --methods target,pld,ar-assist,d3d,d3d-async \
       --prompts "$set" --limit "$LIMIT" --max-new-tokens "$NEW_TOKENS" --dtype "$dtype" --threads "$THREADS" \
       --cost-model --output-dir "$dir" --overwrite
   done

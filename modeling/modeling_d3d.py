@@ -280,11 +280,20 @@ class D3DLinear(nn.Linear):
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, self.rank, device=ref.device, dtype=ref.dtype))
         self.lora_scaling = float(alpha) / self.rank
 
-    def forward(self, x: torch.Tensor, block_gate: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, block_gate: torch.Tensor | None = None, gated_input: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`gated_input` (optional) is `block_gate * x`, when the caller computed it once for several projections of
+        the same input; the gate is 0 or 1, so gating the input is exact and the same as gating the output."""
         out = super().forward(x)
         if self.rank > 0 and block_gate is not None:
-            delta = nn.functional.linear(nn.functional.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype))
-            out = out + block_gate.to(x.dtype) * (self.lora_scaling * delta)
+            if gated_input is None:
+                gated_input = x * block_gate
+            lora_a, lora_b = self.lora_A, self.lora_B
+            if lora_a.dtype != x.dtype:
+                lora_a, lora_b = lora_a.to(x.dtype), lora_b.to(x.dtype)
+            delta = nn.functional.linear(nn.functional.linear(gated_input, lora_a), lora_b)
+            out = torch.add(out, delta, alpha=self.lora_scaling)
         return out
 
 
@@ -395,12 +404,13 @@ class D3DAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states = self.q_proj(hidden_states, block_gate).view(hidden_shape)
-        key_states = self.k_proj(hidden_states, block_gate).view(hidden_shape)
+        gated = hidden_states * block_gate if block_gate is not None and self.q_proj.rank > 0 else None
+        query_states = self.q_proj(hidden_states, block_gate, gated).view(hidden_shape)
+        key_states = self.k_proj(hidden_states, block_gate, gated).view(hidden_shape)
         if self.config.use_qk_norm:
             query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
         query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
-        value_states = self.v_proj(hidden_states, block_gate).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states, block_gate, gated).view(hidden_shape).transpose(1, 2)
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
@@ -444,7 +454,8 @@ class D3DMLP(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor, block_gate: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.act_fn(self.gate_proj(x, block_gate)) * self.up_proj(x, block_gate)
+        gated = x * block_gate if block_gate is not None and self.gate_proj.rank > 0 else None
+        hidden = self.act_fn(self.gate_proj(x, block_gate, gated)) * self.up_proj(x, block_gate, gated)
         return self.down_proj(hidden, block_gate)
 
 

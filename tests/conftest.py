@@ -15,6 +15,30 @@ import os
 import pytest
 
 
+def _import_triton_for_the_cpu_interpreter() -> None:
+    """Without CUDA, imports Triton once with `TRITON_INTERPRET=1` (then restores the variable).
+
+    torch imports Triton as a side effect of its own imports when Triton is installed, and Triton fixes part of its
+    interpreter setup at import; the kernel tests (tests/test_kernels.py) run under the interpreter, so Triton must
+    first be imported in that mode, whichever test module the session collects first. Only the kernel tests set
+    `TRITON_INTERPRET` while they run; every other test sees the variable as it was.
+    """
+    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") is not None:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton  # noqa: F401
+    finally:
+        del os.environ["TRITON_INTERPRET"]
+
+
+_import_triton_for_the_cpu_interpreter()
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer) of SmolLM2-135M-Instruct in float32 on CPU, eval mode; read-only, shared."""
