@@ -110,9 +110,10 @@ class _Instrumented:
             assert (scores is None) == (num_drafts == 0)
             if scores is not None:
                 assert scores.shape[:2] == (1, num_drafts)
-            # after a draft pass the cache holds exactly the committed tokens (the masks are rolled back)
+            # after a draft pass the cache holds exactly the committed tokens (the masks are rolled back); a round
+            # without drafts may still commit what a joined asynchronous pass verified (a prefix of them)
             after = cache.get_seq_length()
-            assert after == cur_len if num_drafts > 0 else after in (before, cur_len)
+            assert after == cur_len if num_drafts > 0 else before <= after <= cur_len
             if after > 0:
                 fresh = D3DCache()
                 with torch.no_grad():
@@ -148,19 +149,25 @@ def decoding_cases(draw):
         new_tokens=draw(st.integers(1, 24)),
         eos=draw(st.one_of(st.sampled_from(["none", "config"]), st.integers(0, 23))),
         eos_as_list=draw(st.booleans()),
+        asynchronous=draw(st.booleans()),
+        num_hypotheses=draw(st.integers(1, 9)),
     )
 
 
 @PROPERTY_SETTINGS
 @given(case=decoding_cases())
 def test_property_greedy_with_drafter_is_target_alone(case):
-    """Random tiny models, prompts, block sizes, lengths and eos positions: greedy output with the drafter equals the
-    target's own output, never exceeds `max_new_tokens` / `max_length`, and the streamer receives exactly the
+    """Random tiny models, prompts, block sizes, lengths, eos positions, synchronous or asynchronous drafting (1..B
+    hypotheses): greedy output with the drafter equals the target's own output, never exceeds `max_new_tokens` /
+    `max_length`, and the streamer receives exactly the
     returned tokens (the prompt, then one chunk per verification round of `acceptance_lengths` tokens)."""
     target = tiny_target(case["family"], vocab_size=case["vocab_size"], seed=case["seed"], sharpen=case["sharpen"])
     drafter = D3DForDiffusionDrafting.from_autoregressive(
         target, num_layers=case["num_layers"], block_size=case["block_size"], mask_token_id=case["mask_token_id"]
     )
+    if case["asynchronous"]:  # packed successor drafting; the instrument checks every committed packed key
+        drafter.generation_config.d3d_async = True
+        drafter.generation_config.d3d_num_hypotheses = min(case["num_hypotheses"], case["block_size"])
     ids = torch.tensor([case["prompt"]])
     prompt_len = ids.shape[1]
     if case["use_max_length"]:
@@ -197,6 +204,7 @@ def test_property_greedy_with_drafter_is_target_alone(case):
     event(f"accepted drafts: {'none' if stats.accepted_drafts == 0 else 'some'}")
     event(f"a full block accepted: {case['block_size'] > 1 and case['block_size'] in stats.acceptance_lengths}")
     event(f"stopped by: {'eos' if new < case['new_tokens'] else 'length'}")
+    event(f"async packed blocks used: {stats.hits > 0}")
 
 
 # --------------------------------------------------------------------------------------------------------------------
