@@ -6,6 +6,7 @@
 # Resumable: a finished (prompt set, dtype) folder is kept; FORCE=1 reruns everything.
 #   bash benchmarks/run_suite.sh
 # Trains the autoregressive assistant first (examples/train_ar_assistant.sh) when ASSISTANT does not exist yet.
+# METHODS=target,pld,d3d,d3d-async leaves out ar-assist (and its training).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 THREADS=${THREADS:-2}
@@ -15,7 +16,10 @@ SETS=${SETS:-"humaneval gsm8k mt-bench"}
 ASSISTANT=${ASSISTANT:-runs/smollm2-ar-assistant}
 OUT=benchmarks/results/suite
 
-if [ ! -f "$ASSISTANT/config.json" ]; then
+METHODS=${METHODS:-target,pld,ar-assist,d3d,d3d-async}
+ASSISTANT_ARGS=()
+if [[ ",$METHODS," == *",ar-assist,"* ]]; then ASSISTANT_ARGS=(--assistant "$ASSISTANT"); fi
+if [ ${#ASSISTANT_ARGS[@]} -gt 0 ] && [ ! -f "$ASSISTANT/config.json" ]; then
   echo "No autoregressive assistant at $ASSISTANT: training it with examples/train_ar_assistant.sh"
   ASSISTANT_DIR="$ASSISTANT" THREADS="$THREADS" bash examples/train_ar_assistant.sh
 fi
@@ -26,7 +30,7 @@ for dtype in float32 bfloat16; do
       echo "kept $dir (FORCE=1 to rerun)"
       continue
     fi
-    d3d-hf bench --drafter d3d-smollm2-135m-instruct --assistant "$ASSISTANT" --methods target,pld,ar-assist,d3d,d3d-async \
+    d3d-hf bench --drafter d3d-smollm2-135m-instruct "${ASSISTANT_ARGS[@]}" --methods "$METHODS" \
       --prompts "$set" --limit "$LIMIT" --max-new-tokens "$NEW_TOKENS" --dtype "$dtype" --threads "$THREADS" \
       --cost-model --output-dir "$dir" --overwrite
   done
