@@ -27,6 +27,26 @@ RESULTS = [
     ("benchmarks/results/foundation_humaneval_bfloat16.json", "untrained drafter from `d3d-hf init-drafter`"),
 ]
 
+# rendered when recorded (each names the script that records it)
+OPTIONAL = [
+    (
+        "benchmarks/results/full_humaneval_float32_t1.json",
+        "shipped drafter, **all 164 HumanEval prompts**",
+        "bash benchmarks/run_humaneval_full.sh float32 1",
+    ),
+    (
+        "benchmarks/results/full_humaneval_bfloat16_t2.json",
+        "shipped drafter, **all 164 HumanEval prompts**",
+        "bash benchmarks/run_humaneval_full.sh bfloat16 2",
+    ),
+    ("benchmarks/results/async/humaneval_bfloat16_h1.json", "shipped drafter, async with 1 hypothesis", None),
+    ("benchmarks/results/async/humaneval_bfloat16_h4.json", "shipped drafter, async with 4 hypotheses", None),
+    ("benchmarks/results/async/humaneval_bfloat16_h16.json", "shipped drafter, async with 16 hypotheses", None),
+    ("benchmarks/results/async/humaneval_float32_h4.json", "shipped drafter, async with 4 hypotheses", None),
+]
+PRUNING = "benchmarks/pruning/pruning_path.json"
+PRUNED = "benchmarks/results/pruning/humaneval_bfloat16_{}layers.json"
+
 
 SUITE = "benchmarks/results/suite"
 DTYPE_ORDER = ("float32", "bfloat16", "float16")
@@ -75,21 +95,66 @@ def render_suite() -> str:
     return "\n".join(parts).rstrip() + "\n"
 
 
+def _render_result(rel: str, label: str, command: str | None = None) -> list[str]:
+    data = json.loads((ROOT / rel).read_text())
+    st = data["settings"]
+    offset = f" (from #{st['offset']})" if st.get("offset") else ""
+    return [
+        f"**{st['target']}** with the {label} ({st['drafter_layers']} layers), "
+        f"{st['dtype']}, {st['num_prompts']} {st['prompts']} prompts{offset}, {st['max_new_tokens']} new tokens, "
+        f"block size {st['block_size']}, {st['torch_threads']} threads on {st['cpu_count']} CPU cores "
+        f"({st['machine']}), torch {st['torch']}, transformers {st['transformers']}. "
+        f"Recorded in [`{rel}`]({rel}) by `{command or st['command']}`.",
+        "",
+        format_table(data["summary"]),
+        "",
+    ]
+
+
+def render_pruning() -> list[str]:
+    if not (ROOT / PRUNING).exists():
+        return []
+    path = json.loads((ROOT / PRUNING).read_text())
+    lines = [
+        f"**Progressive layer pruning** of the shipped drafter (`{path['command']}`; calibration: "
+        f"{len(path['prompt_ids'])} held-out stdlib prompts x {path['max_new_tokens']} tokens, {path['dtype']}, "
+        f"{path['threads']} thread), with HumanEval speed of the pruned drafters where recorded "
+        "(`bash benchmarks/pruning/bench_pruned.sh`: 5 prompts x 128 tokens, bfloat16, 2 threads):",
+        "",
+        "| layers | removed layer | calibration tau | retention | draft ms/block (calibration) "
+        "| HumanEval tau | d3d speed-up | d3d-async speed-up |",
+        "|" + "---|" * 8,
+    ]
+    for step in path["steps"]:
+        cells = ["-", "-", "-"]
+        bench = ROOT / PRUNED.format(step["num_layers"])
+        if bench.exists():
+            summary = json.loads(bench.read_text())["summary"]
+            cells = [
+                f"{summary['d3d']['tau']:.2f}",
+                f"{summary['d3d']['speedup']:.2f}x",
+                f"{summary['d3d-async']['speedup']:.2f}x",
+            ]
+        removed = "-" if step["removed_layer"] is None else step["removed_layer"]
+        lines.append(
+            f"| {step['num_layers']} | {removed} | {step['tau']:.3f} | {step['tau_retention']:.3f} | "
+            f"{step['draft_ms']:.1f} | " + " | ".join(cells) + " |"
+        )
+    lines += ["", "![pruning curve](benchmarks/pruning/pruning_curve.png)", ""]
+    return lines
+
+
 def render() -> str:
     parts = []
+    for rel, label, command in OPTIONAL[:2]:
+        if (ROOT / rel).exists():
+            parts += _render_result(rel, label, command)
     for rel, label in RESULTS:
-        data = json.loads((ROOT / rel).read_text())
-        st = data["settings"]
-        parts.append(
-            f"**{st['target']}** with the {label} ({st['drafter_layers']} layers), "
-            f"{st['dtype']}, {st['num_prompts']} {st['prompts']} prompts, {st['max_new_tokens']} new tokens, "
-            f"block size {st['block_size']}, {st['torch_threads']} threads on {st['cpu_count']} CPU cores "
-            f"({st['machine']}), torch {st['torch']}, transformers {st['transformers']}. "
-            f"Recorded in [`{rel}`]({rel}) by `{st['command']}`."
-        )
-        parts.append("")
-        parts.append(format_table(data["summary"]))
-        parts.append("")
+        parts += _render_result(rel, label)
+    for rel, label, command in OPTIONAL[2:]:
+        if (ROOT / rel).exists():
+            parts += _render_result(rel, label, command)
+    parts += render_pruning()
     parts.append(render_suite())
     return "\n".join(parts).rstrip() + "\n"
 
