@@ -547,6 +547,7 @@ def merge_results(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError("The shards overlap: a prompt id appears more than once.")
     settings = dict(results[0].get("settings", {}))
     settings["num_prompts"] = len(ids)
+    settings["limit"], settings["offset"] = None, 0  # the merged shards are one run over their union
     settings["commands"] = [r.get("settings", {}).get("command") for r in results]
     settings.pop("command", None)
     merged = {
