@@ -73,8 +73,10 @@ class D3DGenerationStats:
         reused (`int`): missed rounds that still used a packed block, with the real bonus token substituted
             (`d3d_reuse_on_miss=True`).
         misses (`int`): rounds after a packed pass that needed a synchronous draft.
-        packed_seconds (`list[float]`): wall time of each packed pass, seconds (off the critical path; on CUDA the
-            time to enqueue it).
+        packed_seconds (`list[float]`): wall time of each joined packed pass on the worker thread, seconds (off the
+            critical path; on CUDA the time to enqueue it).
+        join_wait_seconds (`list[float]`): how long each join waited for the packed pass to finish (CPU), seconds:
+            the part of the packed pass that verification did not hide.
     """
 
     rounds: int = 0
@@ -90,6 +92,7 @@ class D3DGenerationStats:
     reused: int = 0
     misses: int = 0
     packed_seconds: list[float] = field(default_factory=list)
+    join_wait_seconds: list[float] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -323,18 +326,24 @@ class D3DCandidateGenerator(CandidateGenerator):
             event = torch.cuda.Event()
             event.record(stream)
             self._pending = ((packed, event), info)
+            self.stats.packed_seconds.append(time.perf_counter() - start)
         else:
-            future = _executor().submit(self.drafter.packed_draft_logits, chain, self.cache, chain_lengths, guesses)
-            self._pending = (future, info)
-        self.stats.packed_seconds.append(time.perf_counter() - start)
+
+            def packed_pass():
+                begin = time.perf_counter()
+                result = self.drafter.packed_draft_logits(chain, self.cache, chain_lengths, guesses)
+                return result, time.perf_counter() - begin
+
+            self._pending = (_executor().submit(packed_pass), info)
 
     def _join_packed_pass(self):
         handle, info = self._pending
         self._pending = None
         if isinstance(handle, concurrent.futures.Future):
             start = time.perf_counter()
-            packed = handle.result()
-            self.stats.packed_seconds[-1] += time.perf_counter() - start
+            packed, seconds = handle.result()
+            self.stats.packed_seconds.append(seconds)
+            self.stats.join_wait_seconds.append(time.perf_counter() - start)
             return packed, info
         packed, event = handle
         current = torch.cuda.current_stream(info["device"])

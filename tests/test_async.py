@@ -83,6 +83,8 @@ def test_async_greedy_is_lossless(block_size, num_hypotheses, reuse_on_miss):
         assert stats.asynchronous and stats.num_hypotheses == num_hypotheses
         assert stats.new_tokens == reference.shape[1] - ids.shape[1]
         assert stats.hits + stats.reused + stats.misses >= stats.rounds - 2
+        # every joined packed pass is timed, on the worker and at the join
+        assert len(stats.packed_seconds) == len(stats.join_wait_seconds) == stats.hits + stats.reused + stats.misses
 
 
 class _OracleDrafter(D3DForDiffusionDrafting):
