@@ -234,3 +234,23 @@ def test_two_processes_match_one_process_with_doubled_accumulation(tmp_path):
     assert len(two_run["loss"]) == len(one_run["loss"]) == 5
     assert two_run["loss"] == pytest.approx(one_run["loss"], rel=1e-4)
     assert two_run["param_sums"] == pytest.approx(one_run["param_sums"], rel=1e-4, abs=1e-4)
+
+
+def test_ar_loss_has_no_gradient_on_block_adapters(target, dataset):
+    """Why the shipped recipe uses ar_loss_weight 0: with block adapters (gated to block positions) and a frozen
+    shared path, the next-token loss on the clean stream does not depend on any trainable parameter, so every
+    ar_loss_weight trains the same drafter (the ablation is exact, not measured)."""
+    drafter = _drafter(target)
+    drafter.add_block_adapter(4)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # non-zero adapters, so the block path really depends on them
+    trainable = [p for n, p in drafter.named_parameters() if drafter.is_drafter_specific(n)]
+    collator = D3DDataCollator(BLOCK, anchors_per_sequence=3, mask_ratio=(0.5, 1.0), max_length=64)
+    batch = collator([dataset[i] for i in (0, 5)])
+    losses = d3d_losses(drafter, batch, block_size=BLOCK, gamma=2.0)
+    ar_grads = torch.autograd.grad(losses["ar_loss"], trainable, allow_unused=True)
+    assert all(g is None or torch.count_nonzero(g) == 0 for g in ar_grads)
+    block_grads = torch.autograd.grad(losses["block_loss"], trainable, allow_unused=True)
+    assert sum(int(torch.count_nonzero(g)) for g in block_grads if g is not None) > 0
