@@ -10,8 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 THREADS=${THREADS:-2}
-LIMIT=${LIMIT:-6}
-NEW_TOKENS=${NEW_TOKENS:-128}
+LIMIT=${LIMIT:-5}
+NEW_TOKENS=${NEW_TOKENS:-96}
 SETS=${SETS:-"humaneval gsm8k mt-bench"}
 ASSISTANT=${ASSISTANT:-runs/smollm2-ar-assistant}
 OUT=benchmarks/results/suite

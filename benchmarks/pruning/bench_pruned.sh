@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Issue-5 curve on HumanEval: the shipped drafter and its pruned versions (28, 26, 24 layers, from
+# Issue-5 curve on HumanEval: the shipped drafter and its pruned versions (28 and 24 layers, from
 # run_smollm2_pruning.sh and `d3d-hf prune --num-layers N` resumed from its state), synchronous and asynchronous
 # (4 hypotheses) against the target, HumanEval prompts 20-24, 128 new tokens, bfloat16, 2 threads. Idle machine.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=benchmarks/results/pruning
 mkdir -p "$out"
-for n in 30 28 26 24; do
+for n in 30 28 24; do
   if [ "$n" = 30 ]; then drafter=d3d-smollm2-135m-instruct; else drafter=runs/pruning/smollm2-$n; fi
   if [ "$n" != 30 ] && [ ! -f "$drafter/config.json" ]; then
     mkdir -p "$drafter" && cp runs/pruning/smollm2/pruning_state.json "$drafter/"
