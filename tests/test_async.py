@@ -152,8 +152,9 @@ def test_options_come_from_the_call_or_the_drafter():
     assert drafter.last_generation_stats.asynchronous and drafter.last_generation_stats.num_hypotheses == 2
     _greedy(target, ids, drafter, max_new_tokens=8, d3d_async=False)
     assert not drafter.last_generation_stats.asynchronous
-    with pytest.raises(ValueError, match="d3d_num_hypotheses"):
-        _greedy(target, ids, drafter, max_new_tokens=8, d3d_num_hypotheses=5)
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="d3d_num_hypotheses"):
+            _greedy(target, ids, drafter, max_new_tokens=8, d3d_num_hypotheses=bad)
 
 
 def test_async_never_exceeds_the_budget_and_stops_at_eos():

@@ -1,5 +1,7 @@
 """`d3d-hf` argument errors are reported clearly, before any model is loaded."""
 
+from pathlib import Path
+
 import pytest
 
 from d3d_hf.cli import main
@@ -56,3 +58,20 @@ def test_missing_drafter_folder(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["generate", "--drafter", str(tmp_path / "empty"), "--prompt", "hi"]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_corrupt_drafter_weights_give_a_one_line_error(tmp_path, capsys):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _tiny import tiny_target
+
+    from d3d_hf import D3DForDiffusionDrafting
+
+    folder = tmp_path / "bad"
+    D3DForDiffusionDrafting.from_autoregressive(tiny_target(), block_size=4).save_pretrained(folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    assert main(["generate", "--drafter", str(folder), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "\nerror:" in "\n" + err.splitlines()[-1] and "Traceback" not in err and "model.safetensors" in err

@@ -236,6 +236,9 @@ def test_encode_prompt_smollm2(smollm2):
     assert text.startswith("<|im_start|>system\n")
     assert ids[0].tolist() == tok.encode(text, add_special_tokens=False)
     assert (ids == 1).sum().item() == 3  # system, user, assistant turns; no doubled BOS
+    assert torch.equal(encode_prompt(tok, "hi"), ids)  # a plain string is one user turn
+    with pytest.raises(TypeError, match="Prompt or a str"):
+        encode_prompt(tok, ["hi"])
 
 
 def test_encode_humaneval_prompt(smollm2):

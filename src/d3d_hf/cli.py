@@ -682,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers.update({"push": _push, "convert": _convert, "prune": _prune})
     try:
         return handlers[args.command](args)
-    except (FileExistsError, FileNotFoundError, NotADirectoryError, ValueError) as err:
+    except (OSError, ValueError) as err:  # missing/corrupt files, bad values: one line saying what to change
         print(f"error: {err}", file=sys.stderr)
         return 2
 

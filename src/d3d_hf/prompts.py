@@ -325,7 +325,7 @@ def _to_id_list(encoded: object) -> list[int]:
     return [int(i) for i in encoded]
 
 
-def encode_prompt(tokenizer, prompt: Prompt) -> torch.LongTensor:
+def encode_prompt(tokenizer, prompt: Prompt | str) -> torch.LongTensor:
     """Render a prompt with the tokenizer's chat template, ready for the assistant's answer.
 
     Uses ``tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True)``; the
@@ -335,15 +335,20 @@ def encode_prompt(tokenizer, prompt: Prompt) -> torch.LongTensor:
 
     Args:
         tokenizer: A ``PreTrainedTokenizerBase`` with a chat template.
-        prompt: The prompt to encode.
+        prompt: The prompt to encode, or a plain string (sent as one user turn).
 
     Returns:
         ``torch.LongTensor`` of shape ``(1, seq_len)`` (int64, CPU) holding the input ids.
 
     Raises:
+        TypeError: ``prompt`` is neither a ``Prompt`` nor a ``str``.
         ValueError: The tokenizer has no chat template (use a chat/instruct model, or tokenize ``prompt.raw``
             yourself for completion-style use), or the template produced no tokens.
     """
+    if isinstance(prompt, str):
+        prompt = Prompt(id="text", messages=[{"role": "user", "content": prompt}])
+    elif not isinstance(prompt, Prompt):
+        raise TypeError(f"`prompt` must be a d3d_hf.prompts.Prompt or a str, got {type(prompt).__name__}.")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"Tokenizer {getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)!r} has no chat template: "

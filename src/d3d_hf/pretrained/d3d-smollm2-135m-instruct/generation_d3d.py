@@ -192,7 +192,9 @@ class D3DCandidateGenerator(CandidateGenerator):
             options[name] = value
         self.asynchronous = bool(options["d3d_async"])
         self.num_hypotheses = int(
-            options["d3d_num_hypotheses"] or min(ASYNC_OPTIONS["d3d_num_hypotheses"], self.block_size)
+            options["d3d_num_hypotheses"]
+            if options["d3d_num_hypotheses"] is not None
+            else min(ASYNC_OPTIONS["d3d_num_hypotheses"], self.block_size)
         )
         self.reuse_on_miss = bool(options["d3d_reuse_on_miss"])
         if not 1 <= self.num_hypotheses <= self.block_size:
