@@ -64,7 +64,9 @@ def test_remote_code_without_d3d_hf_installed(drafter, tmp_path):
         assert type(drafter).__module__.startswith("transformers_modules"), type(drafter).__module__
         mod = sys.modules[type(drafter).__module__]
         logits = drafter.draft_logits(random_prompt(6), mod.D3DCache())
-        assert torch.equal(logits, torch.load({str(tmp_path / "ref.pt")!r})), "logits differ"
+        # same weights and code; bitwise equality across processes is not guaranteed (BLAS thread scheduling)
+        reference = torch.load({str(tmp_path / "ref.pt")!r})
+        assert torch.allclose(logits, reference, rtol=1e-5, atol=1e-5), (logits - reference).abs().max()
         target = tiny_target("qwen3")
         ids = random_prompt(5)
         ref = target.generate(ids, max_new_tokens=30, do_sample=False)
