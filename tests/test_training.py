@@ -216,11 +216,16 @@ def test_two_processes_match_one_process_with_doubled_accumulation(tmp_path):
 
     script = str(Path(__file__).parent / "scripts" / "train_tiny.py")
     common = ["--per-device", "1"]
-    two = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script, *common, "--accum", "1",
-         "--out", str(tmp_path / "two.json"), "--output-dir", str(tmp_path / "two")],
-        capture_output=True, text=True, timeout=600, check=False,
-    )
+    for attempt in range(2):
+        two = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script, *common, "--accum", "1",
+             "--out", str(tmp_path / "two.json"), "--output-dir", str(tmp_path / f"two{attempt}")],
+            capture_output=True, text=True, timeout=600, check=False,
+        )
+        # one retry only when a worker was killed by a signal (seen rarely on a heavily loaded 2-core machine,
+        # "terminate called without an active exception"); any other failure, or a second one, fails the test
+        if two.returncode == 0 or "exitcode: -" not in two.stderr:
+            break
     assert two.returncode == 0, two.stderr[-3000:]
     one = subprocess.run(
         [sys.executable, script, *common, "--accum", "2", "--out", str(tmp_path / "one.json"),

@@ -45,3 +45,7 @@ if trainer.is_world_process_zero():
     params = [p.detach().double().sum().item() for p in drafter.parameters() if p.requires_grad]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     Path(args.out).write_text(json.dumps({"loss": losses, "param_sums": params, "world_size": config.world_size}))
+# shut the process group down explicitly (a gloo group left to interpreter teardown can abort the process)
+if torch.distributed.is_available() and torch.distributed.is_initialized():
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
