@@ -286,6 +286,15 @@ def _d3d_async_options(resources: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _d3d_async_settings(resources: Mapping[str, Any]) -> dict[str, Any]:
+    options = _d3d_async_options(resources)
+    return {
+        **_d3d_settings(resources),
+        "hypotheses": options["d3d_num_hypotheses"],
+        "reuse_on_miss": options["d3d_reuse_on_miss"],
+    }
+
+
 def _d3d_async_kwargs(resources: Mapping[str, Any]) -> dict[str, Any]:
     from transformers import GenerationConfig
 
@@ -304,11 +313,7 @@ register_method(
         _d3d_async_kwargs,
         read_stats=lambda r, recorder: d3d_round_stats(r["drafter"].last_generation_stats),
         requires=("drafter",),
-        settings=lambda r: {
-            **_d3d_settings(r),
-            "hypotheses": _d3d_async_options(r)["d3d_num_hypotheses"],
-            "reuse_on_miss": _d3d_async_options(r)["d3d_reuse_on_miss"],
-        },
+        settings=_d3d_async_settings,
         cost_model="async",
     )
 )
