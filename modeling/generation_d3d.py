@@ -39,8 +39,9 @@ _EXPECTED_FACTORY_PARAMETERS = (
 
 
 #: per-call options read from the `GenerationConfig` passed to `generate`, else from `drafter.generation_config`
-ASYNC_OPTIONS = {"d3d_async": False, "d3d_num_hypotheses": 4, "d3d_reuse_on_miss": False}
-"""Defaults; `d3d_num_hypotheses` is at most the block size when not set."""
+ASYNC_OPTIONS = {"d3d_async": False, "d3d_num_hypotheses": 4, "d3d_reuse_on_miss": False, "d3d_worker_threads": None}
+"""Defaults; `d3d_num_hypotheses` is at most the block size when not set; `d3d_worker_threads=None` gives the CPU
+worker half of the calling thread's torch intra-op threads (at least one)."""
 _EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
 
 
@@ -77,6 +78,8 @@ class D3DGenerationStats:
             critical path; on CUDA the time to enqueue it).
         join_wait_seconds (`list[float]`): how long each join waited for the packed pass to finish (CPU), seconds:
             the part of the packed pass that verification did not hide.
+        worker_threads (`int`): torch intra-op threads the CPU worker ran the packed passes with, as read on the
+            worker (0 when no packed pass ran on the CPU worker).
     """
 
     rounds: int = 0
@@ -93,6 +96,7 @@ class D3DGenerationStats:
     misses: int = 0
     packed_seconds: list[float] = field(default_factory=list)
     join_wait_seconds: list[float] = field(default_factory=list)
+    worker_threads: int = 0
 
     @property
     def tau(self) -> float:
@@ -140,7 +144,12 @@ class D3DCandidateGenerator(CandidateGenerator):
     Options (attributes of the `GenerationConfig` passed to `generate`, e.g. `GenerationConfig(d3d_async=True)`,
     else of `drafter.generation_config`, as transformers reads `num_assistant_tokens` from the assistant):
     `d3d_async` (`bool`, default `False`), `d3d_num_hypotheses` (`int` in `[1, block_size]`, default
-    `min(4, block_size)`), `d3d_reuse_on_miss` (`bool`, default `False`).
+    `min(4, block_size)`), `d3d_reuse_on_miss` (`bool`, default `False`), `d3d_worker_threads` (`int >= 1`, CPU
+    only, default half of the calling thread's `torch.get_num_threads()`, at least 1): intra-op threads of the
+    worker thread that runs the packed pass. The worker and the target's verification run at the same time; with
+    both at the full thread count they oversubscribe the cores (on 2 cores, bf16, 4 hypotheses: verification 48 ->
+    75 ms while the packed pass runs, vs 60 ms with one worker thread; `benchmarks/cpu_threads.py`). The calling
+    thread's own count and the count new threads inherit are left as they were.
 
     Args:
         drafter (`D3DForDiffusionDrafting`): the drafter.
@@ -154,7 +163,8 @@ class D3DCandidateGenerator(CandidateGenerator):
     Raises:
         ValueError: before any forward pass, for a batch size other than 1, an empty prompt, a prompt longer than
             the target's or the drafter's `max_position_embeddings`, a drafter without a mask token,
-            `stop_strings` without a tokenizer, or `d3d_num_hypotheses` outside `[1, block_size]`.
+            `stop_strings` without a tokenizer, `d3d_num_hypotheses` outside `[1, block_size]`, or
+            `d3d_worker_threads` below 1.
     """
 
     def __init__(
@@ -201,6 +211,15 @@ class D3DCandidateGenerator(CandidateGenerator):
             raise ValueError(
                 f"`d3d_num_hypotheses` must be in [1, block_size={self.block_size}], got {self.num_hypotheses}."
             )
+        worker_threads = options["d3d_worker_threads"]
+        if worker_threads is None:
+            worker_threads = max(1, torch.get_num_threads() // 2)
+        if isinstance(worker_threads, bool) or int(worker_threads) != worker_threads or worker_threads < 1:
+            raise ValueError(
+                f"`d3d_worker_threads` must be a whole number >= 1 (or None for half of torch's threads), got "
+                f"{worker_threads!r}."
+            )
+        self.worker_threads = int(worker_threads)
         from .modeling_d3d import D3DCache  # deferred: modeling_d3d imports this module
 
         self.cache = D3DCache()  # a new, empty drafter state for every `generate` call
@@ -331,10 +350,17 @@ class D3DCandidateGenerator(CandidateGenerator):
             self.stats.packed_seconds.append(time.perf_counter() - start)
         else:
 
+            worker_threads = self.worker_threads
+
             def packed_pass():
+                if torch.get_num_threads() != worker_threads:
+                    # per OS thread: the caller's count is untouched (the default new threads inherit is reset at
+                    # the join, on the caller)
+                    torch.set_num_threads(worker_threads)
+                threads = torch.get_num_threads()
                 begin = time.perf_counter()
                 result = self.drafter.packed_draft_logits(chain, self.cache, chain_lengths, guesses)
-                return result, time.perf_counter() - begin
+                return result, time.perf_counter() - begin, threads
 
             self._pending = (_executor().submit(packed_pass), info)
 
@@ -343,7 +369,12 @@ class D3DCandidateGenerator(CandidateGenerator):
         self._pending = None
         if isinstance(handle, concurrent.futures.Future):
             start = time.perf_counter()
-            packed, seconds = handle.result()
+            packed, seconds, threads = handle.result()
+            if threads != torch.get_num_threads():
+                # torch.set_num_threads on the worker also changed the count that threads created later start with;
+                # setting the caller's own count again restores it (and changes nothing on this thread)
+                torch.set_num_threads(torch.get_num_threads())
+            self.stats.worker_threads = threads
             self.stats.packed_seconds.append(seconds)
             self.stats.join_wait_seconds.append(time.perf_counter() - start)
             return packed, info

@@ -157,6 +157,37 @@ def test_options_come_from_the_call_or_the_drafter():
             _greedy(target, ids, drafter, max_new_tokens=8, d3d_num_hypotheses=bad)
 
 
+def test_worker_threads_option_sets_the_worker_only():
+    """`d3d_worker_threads` sets the packed-pass worker's torch threads; the caller's count, and the count that threads
+    created afterwards start with, stay as they were; output stays identical."""
+    import threading
+
+    target = tiny_target(sharpen=4.0)
+    drafter = _perturbed_drafter(target, 4)
+    ids = random_prompt(6)
+    reference = _greedy(target, ids, max_new_tokens=24)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for requested, expected in ((1, 1), (3, 3), (None, 1)):  # None: half of the caller's 2 threads
+            out = _greedy(target, ids, drafter, max_new_tokens=24, d3d_async=True, d3d_worker_threads=requested)
+            assert torch.equal(out, reference)
+            assert drafter.last_generation_stats.worker_threads == expected
+            assert torch.get_num_threads() == 2
+            seen = []
+            thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+            thread.start()
+            thread.join()
+            assert seen == [2], requested
+        _greedy(target, ids, drafter, max_new_tokens=8)
+        assert drafter.last_generation_stats.worker_threads == 0  # synchronous: no worker
+        for bad in (0, -1, 1.5, True):
+            with pytest.raises(ValueError, match="d3d_worker_threads"):
+                _greedy(target, ids, drafter, max_new_tokens=8, d3d_async=True, d3d_worker_threads=bad)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_async_never_exceeds_the_budget_and_stops_at_eos():
     target = tiny_target(sharpen=4.0, seed=3)
     drafter = _perturbed_drafter(target, 8)

@@ -104,6 +104,7 @@ def test_twenty_humaneval_prompts_lossless_async(smollm2):
 
     model, tokenizer = smollm2
     drafter = load_drafter("d3d-smollm2-135m-instruct")
+    totals = {h: {"rounds": 0, "new_tokens": 0, "hits": 0, "misses": 0} for h in (1, 4, 16)}
     for prompt in load_prompts("humaneval", limit=20):
         ids = encode_prompt(tokenizer, prompt)
         ref = _generate(model, ids, max_new_tokens=128)[0].tolist()
@@ -113,3 +114,11 @@ def test_twenty_humaneval_prompts_lossless_async(smollm2):
             out = model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
                                  generation_config=config)
             assert out[0].tolist() == ref, (prompt.id, num_hypotheses)
+            stats = drafter.last_generation_stats
+            for key in totals[num_hypotheses]:
+                totals[num_hypotheses][key] += getattr(stats, key)
+    for num_hypotheses, total in totals.items():
+        # packed blocks were really used (a check that never took the async path would prove nothing)
+        assert total["hits"] > 0, num_hypotheses
+        print(f"hypotheses={num_hypotheses} tau={total['new_tokens'] / total['rounds']:.3f} "
+              f"hit_rate={total['hits'] / (total['hits'] + total['misses']):.3f} {total}")

@@ -283,6 +283,7 @@ def _d3d_async_options(resources: Mapping[str, Any]) -> dict[str, Any]:
         "d3d_async": True,
         "d3d_num_hypotheses": hypotheses,
         "d3d_reuse_on_miss": bool(resources.get("reuse_on_miss")),
+        "d3d_worker_threads": resources.get("worker_threads"),
     }
 
 
@@ -292,6 +293,8 @@ def _d3d_async_settings(resources: Mapping[str, Any]) -> dict[str, Any]:
         **_d3d_settings(resources),
         "hypotheses": options["d3d_num_hypotheses"],
         "reuse_on_miss": options["d3d_reuse_on_miss"],
+        # None: the engine's default, half of the benchmark's torch threads (CPU only)
+        "worker_threads": options["d3d_worker_threads"] or max(1, torch.get_num_threads() // 2),
     }
 
 

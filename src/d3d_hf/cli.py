@@ -101,6 +101,12 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="d3d-async: on a wrong bonus guess, still use the block drafted for the real acceptance length",
     )
+    p.add_argument(
+        "--worker-threads",
+        type=_positive_int,
+        default=None,
+        help="d3d-async on CPU: torch threads of the packed-pass worker (default half of --threads, at least 1)",
+    )
     p.add_argument("--prompt-lookup-num-tokens", type=_positive_int, default=10, help="pld: tokens per draft")
     p.add_argument("--max-matching-ngram-size", type=_positive_int, default=2, help="pld: longest n-gram matched")
     p.add_argument(
@@ -337,6 +343,7 @@ def _bench(args) -> int:
             "assistant_name": args.assistant,
             "num_hypotheses": args.num_hypotheses,
             "reuse_on_miss": args.reuse_on_miss,
+            "worker_threads": args.worker_threads,
         },
     )
     result["settings"] = {
