@@ -92,7 +92,9 @@ def main() -> None:
                 verify(), sync_draft(), pool.submit(packed, worker, lengths, guesses).result()
             alone_verify = median_ms(verify() for _ in range(args.repeats))
             alone_draft = median_ms(sync_draft() for _ in range(args.repeats))
-            alone_packed = median_ms(pool.submit(packed, worker, lengths, guesses).result() for _ in range(args.repeats))
+            alone_packed = median_ms(
+                pool.submit(packed, worker, lengths, guesses).result() for _ in range(args.repeats)
+            )
             verifies, packs, rounds = [], [], []
             for _ in range(args.repeats):
                 start = time.perf_counter()

@@ -44,6 +44,7 @@ OPTIONAL = [
     ("benchmarks/results/async/humaneval_bfloat16_h4.json", "shipped drafter, async with 4 hypotheses", None),
     ("benchmarks/results/async/humaneval_bfloat16_h16.json", "shipped drafter, async with 16 hypotheses", None),
     ("benchmarks/results/async/humaneval_float32_h4.json", "shipped drafter, async with 4 hypotheses", None),
+    ("benchmarks/results/async/humaneval_bfloat16_h4_w2.json", "shipped drafter, async with 4 hypotheses", None),
 ]
 PRUNING = "benchmarks/pruning/pruning_path.json"
 PRUNED = "benchmarks/results/pruning/humaneval_bfloat16_{}layers.json"
@@ -99,6 +100,9 @@ def render_suite() -> str:
 def _render_result(rel: str, label: str, command: str | None = None) -> list[str]:
     data = json.loads((ROOT / rel).read_text())
     st = data["settings"]
+    workers = data.get("method_settings", {}).get("d3d-async", {}).get("worker_threads")
+    if workers:
+        label += f" and a {workers}-thread packed-pass worker"
     offset = f" (from #{st['offset']})" if st.get("offset") else ""
     return [
         f"**{st['target']}** with the {label} ({st['drafter_layers']} layers), "
@@ -145,6 +149,42 @@ def render_pruning() -> list[str]:
     return lines
 
 
+WORKER_THREADS = "benchmarks/results/async/worker_threads_*.json"
+
+
+def render_worker_threads() -> list[str]:
+    files = sorted(ROOT.glob(WORKER_THREADS), key=lambda f: int(f.stem.rsplit("_h", 1)[1]))
+    if not files:
+        return []
+    lines = [
+        "**d3d-async, packed-pass worker with 1 vs 2 torch threads** (`d3d_worker_threads`; default half of the "
+        "caller's threads), interleaved prompt by prompt in one run per row (`benchmarks/async_worker_threads.py`; "
+        "HumanEval prompts 20-29, 128 new tokens, 2 threads, tokens/s and speed-up over the target):",
+        "",
+        "| dtype | hypotheses | target | d3d | d3d-async, 1-thread worker | d3d-async, 2-thread worker | hit rate "
+        "| async draft / verify ms, 1-thread worker | 2-thread worker |",
+        "|" + "---|" * 9,
+    ]
+    for f in files:
+        data = json.loads(f.read_text())
+        summary, dtype = data["summary"], data["settings"]["dtype"]
+
+        def cell(method):
+            return f"{summary[method]['tokens_per_second']:.1f} ({summary[method]['speedup']:.2f}x)"
+
+        def times(method):
+            return f"{summary[method]['draft_ms']:.0f} / {summary[method]['verify_ms']:.0f}"
+
+        hypotheses = data["method_settings"]["d3d-async-w1"]["hypotheses"]
+        lines.append(
+            f"| {dtype} | {hypotheses} | {cell('target')} | {cell('d3d')} | {cell('d3d-async-w1')} | "
+            f"{cell('d3d-async-w2')} | {summary['d3d-async-w1']['hit_rate']:.0%} | {times('d3d-async-w1')} | "
+            f"{times('d3d-async-w2')} |"
+        )
+    lines += ["", f"Recorded in `{WORKER_THREADS}`.", ""]
+    return lines
+
+
 def render() -> str:
     parts = []
     for rel, label, command in OPTIONAL[:2]:
@@ -155,6 +195,7 @@ def render() -> str:
     for rel, label, command in OPTIONAL[2:]:
         if (ROOT / rel).exists():
             parts += _render_result(rel, label, command)
+    parts += render_worker_threads()
     parts += render_pruning()
     parts.append(render_suite())
     return "\n".join(parts).rstrip() + "\n"

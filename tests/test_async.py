@@ -202,3 +202,30 @@ def test_async_never_exceeds_the_budget_and_stops_at_eos():
         reference = _greedy(target, ids, max_new_tokens=30)
         out = _greedy(target, ids, drafter, max_new_tokens=30, d3d_async=True, d3d_num_hypotheses=8)
         assert torch.equal(out, reference)
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("drafter_device", ["cuda", "cpu"])
+def test_async_on_cuda_is_lossless(drafter_device):
+    """Target on CUDA; drafter on the same GPU (packed pass on a side stream) or on the CPU (a second device: the
+    packed pass on the worker thread while the GPU verifies). Greedy output equals target-only decoding; sampling
+    runs (its draft scores must reach the target's device)."""
+    target = tiny_target(sharpen=4.0)
+    drafter = _perturbed_drafter(target, 4)
+    target.to("cuda")
+    drafter.to(drafter_device)
+    ids = random_prompt(7).to("cuda")
+    reference = _greedy(target, ids, max_new_tokens=40)
+    for num_hypotheses in (1, 4):
+        out = _greedy(target, ids, drafter, max_new_tokens=40, d3d_async=True, d3d_num_hypotheses=num_hypotheses)
+        assert torch.equal(out, reference), num_hypotheses
+        assert drafter.last_generation_stats.hits + drafter.last_generation_stats.misses > 0
+    torch.manual_seed(0)
+    config = GenerationConfig(max_new_tokens=20, do_sample=True, temperature=0.8, d3d_async=True)
+    sampled = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                              generation_config=config)
+    assert sampled.device.type == "cuda" and 0 < sampled.shape[1] - ids.shape[1] <= 20

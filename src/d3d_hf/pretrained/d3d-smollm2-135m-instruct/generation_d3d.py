@@ -147,9 +147,10 @@ class D3DCandidateGenerator(CandidateGenerator):
     `min(4, block_size)`), `d3d_reuse_on_miss` (`bool`, default `False`), `d3d_worker_threads` (`int >= 1`, CPU
     only, default half of the calling thread's `torch.get_num_threads()`, at least 1): intra-op threads of the
     worker thread that runs the packed pass. The worker and the target's verification run at the same time; with
-    both at the full thread count they oversubscribe the cores (on 2 cores, bf16, 4 hypotheses: verification 48 ->
-    75 ms while the packed pass runs, vs 60 ms with one worker thread; `benchmarks/cpu_threads.py`). The calling
-    thread's own count and the count new threads inherit are left as they were.
+    both at the full thread count they oversubscribe the cores (SmolLM2 on 2 cores, bf16, 4 hypotheses: verification
+    50 -> 67 ms while the packed pass runs, 55 ms with a 1-thread worker, and the packed pass itself 159 vs 125 ms;
+    `benchmarks/cpu_threads.py`; with 16 hypotheses the 2-thread worker was faster). The calling thread's own count
+    and the count new threads inherit are left as they were.
 
     Args:
         drafter (`D3DForDiffusionDrafting`): the drafter.
@@ -267,7 +268,7 @@ class D3DCandidateGenerator(CandidateGenerator):
             return input_ids, None
         self.stats.drafted_tokens += len(drafts)
         candidate_ids = torch.cat([input_ids, torch.cat(drafts, dim=1).to(input_ids.device)], dim=1)
-        return candidate_ids, torch.stack(scores, dim=1)
+        return candidate_ids, torch.stack(scores, dim=1).to(input_ids.device)  # the target compares them on its device
 
     def _choose_drafts(
         self, input_ids: torch.LongTensor, logits: torch.FloatTensor
