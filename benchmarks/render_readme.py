@@ -169,17 +169,13 @@ def render_worker_threads() -> list[str]:
         data = json.loads(f.read_text())
         summary, dtype = data["summary"], data["settings"]["dtype"]
 
-        def cell(method):
-            return f"{summary[method]['tokens_per_second']:.1f} ({summary[method]['speedup']:.2f}x)"
-
-        def times(method):
-            return f"{summary[method]['draft_ms']:.0f} / {summary[method]['verify_ms']:.0f}"
-
+        cell = {m: f"{s['tokens_per_second']:.1f} ({s['speedup']:.2f}x)" for m, s in summary.items()}
+        times = {m: f"{s['draft_ms']:.0f} / {s['verify_ms']:.0f}" for m, s in summary.items()}
         hypotheses = data["method_settings"]["d3d-async-w1"]["hypotheses"]
         lines.append(
-            f"| {dtype} | {hypotheses} | {cell('target')} | {cell('d3d')} | {cell('d3d-async-w1')} | "
-            f"{cell('d3d-async-w2')} | {summary['d3d-async-w1']['hit_rate']:.0%} | {times('d3d-async-w1')} | "
-            f"{times('d3d-async-w2')} |"
+            f"| {dtype} | {hypotheses} | {cell['target']} | {cell['d3d']} | {cell['d3d-async-w1']} | "
+            f"{cell['d3d-async-w2']} | {summary['d3d-async-w1']['hit_rate']:.0%} | {times['d3d-async-w1']} | "
+            f"{times['d3d-async-w2']} |"
         )
     lines += ["", f"Recorded in `{WORKER_THREADS}`.", ""]
     return lines

@@ -175,7 +175,7 @@ def test_worker_threads_option_sets_the_worker_only():
             assert drafter.last_generation_stats.worker_threads == expected
             assert torch.get_num_threads() == 2
             seen = []
-            thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+            thread = threading.Thread(target=lambda seen=seen: seen.append(torch.get_num_threads()))
             thread.start()
             thread.join()
             assert seen == [2], requested
