@@ -268,7 +268,7 @@ class D3DCandidateGenerator(CandidateGenerator):
             return input_ids, None
         self.stats.drafted_tokens += len(drafts)
         candidate_ids = torch.cat([input_ids, torch.cat(drafts, dim=1).to(input_ids.device)], dim=1)
-        return candidate_ids, torch.stack(scores, dim=1).to(input_ids.device)  # the target compares them on its device
+        return candidate_ids, torch.stack(scores, dim=1)
 
     def _choose_drafts(
         self, input_ids: torch.LongTensor, logits: torch.FloatTensor
