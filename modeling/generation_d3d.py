@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import inspect
+import os
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -42,15 +43,43 @@ _EXPECTED_FACTORY_PARAMETERS = (
 ASYNC_OPTIONS = {"d3d_async": False, "d3d_num_hypotheses": 4, "d3d_reuse_on_miss": False, "d3d_worker_threads": None}
 """Defaults; `d3d_num_hypotheses` is at most the block size when not set; `d3d_worker_threads=None` gives the CPU
 worker half of the calling thread's torch intra-op threads (at least one)."""
-_EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
+_EXECUTORS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
 
 
-def _executor() -> concurrent.futures.ThreadPoolExecutor:
-    """The one worker thread that runs packed passes on CPU (torch ops release the GIL)."""
-    global _EXECUTOR
-    if _EXECUTOR is None:
-        _EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3d-packed-draft")
-    return _EXECUTOR
+def _executor(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The worker thread that runs packed passes on CPU with `threads` torch intra-op threads (torch ops release the
+    GIL); one per thread count, created once.
+
+    torch's thread count is per OS thread once a thread has run torch ops, but `torch.set_num_threads` also sets the
+    default that threads created later start with. So the new worker sets its own count first, and the caller, once
+    that is done, sets its own (unchanged) count again, which puts the default back; no pass changes it afterwards.
+    """
+    if threads not in _EXECUTORS:
+        executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"d3d-packed-draft-{threads}"
+        )
+        executor.submit(_set_worker_threads, threads).result()
+        torch.set_num_threads(torch.get_num_threads())
+        _EXECUTORS[threads] = executor
+    return _EXECUTORS[threads]
+
+
+def _set_worker_threads(threads: int) -> None:
+    # torch initialises a thread's count from the process default on the thread's first parallel op; doing that
+    # before setting it keeps the later reset of the default (by the caller) from overriding this thread's count
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+
+def _whole_number(value: Any) -> int | None:
+    """`value` as an `int` when it is a whole number (an `int`, or a float such as `2.0`; never a `bool`), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
 
 
 @dataclass
@@ -78,8 +107,8 @@ class D3DGenerationStats:
             critical path; on CUDA the time to enqueue it).
         join_wait_seconds (`list[float]`): how long each join waited for the packed pass to finish (CPU), seconds:
             the part of the packed pass that verification did not hide.
-        worker_threads (`int`): torch intra-op threads the CPU worker ran the packed passes with, as read on the
-            worker (0 when no packed pass ran on the CPU worker).
+        worker_threads (`int`): torch intra-op threads of the CPU worker that ran the packed passes (0 when none
+            ran on the CPU worker).
     """
 
     rounds: int = 0
@@ -144,13 +173,15 @@ class D3DCandidateGenerator(CandidateGenerator):
     Options (attributes of the `GenerationConfig` passed to `generate`, e.g. `GenerationConfig(d3d_async=True)`,
     else of `drafter.generation_config`, as transformers reads `num_assistant_tokens` from the assistant):
     `d3d_async` (`bool`, default `False`), `d3d_num_hypotheses` (`int` in `[1, block_size]`, default
-    `min(4, block_size)`), `d3d_reuse_on_miss` (`bool`, default `False`), `d3d_worker_threads` (`int >= 1`, CPU
-    only, default half of the calling thread's `torch.get_num_threads()`, at least 1): intra-op threads of the
-    worker thread that runs the packed pass. The worker and the target's verification run at the same time; with
-    both at the full thread count they oversubscribe the cores (SmolLM2 on 2 cores, bf16, 4 hypotheses: verification
-    50 -> 67 ms while the packed pass runs, 55 ms with a 1-thread worker, and the packed pass itself 159 vs 125 ms;
-    `benchmarks/cpu_threads.py`; with 16 hypotheses the 2-thread worker was faster). The calling thread's own count
-    and the count new threads inherit are left as they were.
+    `min(4, block_size)`), `d3d_reuse_on_miss` (`bool`, default `False`), `d3d_worker_threads` (`int` in `[1,
+    max(CPU count, torch threads)]`, CPU only, default half of the calling thread's `torch.get_num_threads()`, at
+    least 1): intra-op threads of the worker thread that runs the packed pass. The worker and the target's
+    verification run at the same time; with both at the full thread count they oversubscribe the cores (SmolLM2 on 2
+    cores, bf16, 4 hypotheses: verification 50 -> 67 ms while the packed pass runs, 55 ms with a 1-thread worker, and
+    the packed pass itself 159 vs 125 ms; `benchmarks/cpu_threads.py`; with 16 hypotheses the 2-thread worker was
+    faster). The calling thread's own count and the count new threads inherit are left as they were. A packed pass
+    whose round never comes (generation stopped by length, eos or a stop string) is cancelled, or waited for, before
+    `generate` returns; after a stop by a user's own stopping criterion it finishes in the background.
 
     Args:
         drafter (`D3DForDiffusionDrafting`): the drafter.
@@ -164,8 +195,10 @@ class D3DCandidateGenerator(CandidateGenerator):
     Raises:
         ValueError: before any forward pass, for a batch size other than 1, an empty prompt, a prompt longer than
             the target's or the drafter's `max_position_embeddings`, a drafter without a mask token,
-            `stop_strings` without a tokenizer, `d3d_num_hypotheses` outside `[1, block_size]`, or
-            `d3d_worker_threads` below 1.
+            `stop_strings` without a tokenizer, or an async option of the wrong type or range (`d3d_async` and
+            `d3d_reuse_on_miss` not a bool, `d3d_num_hypotheses` not a whole number in `[1, block_size]`,
+            `d3d_worker_threads` not a whole number in `[1, max(CPU count, torch threads)]`); the options are
+            checked even when `d3d_async` is off.
     """
 
     def __init__(
@@ -201,26 +234,30 @@ class D3DCandidateGenerator(CandidateGenerator):
             if value is None:
                 value = getattr(getattr(drafter, "generation_config", None), name, None)
             options[name] = value
+        for name in ("d3d_async", "d3d_reuse_on_miss"):
+            if options[name] is not None and not isinstance(options[name], bool):
+                raise ValueError(f"`{name}` must be True or False (or None for the default), got {options[name]!r}.")
         self.asynchronous = bool(options["d3d_async"])
-        self.num_hypotheses = int(
-            options["d3d_num_hypotheses"]
-            if options["d3d_num_hypotheses"] is not None
-            else min(ASYNC_OPTIONS["d3d_num_hypotheses"], self.block_size)
-        )
         self.reuse_on_miss = bool(options["d3d_reuse_on_miss"])
-        if not 1 <= self.num_hypotheses <= self.block_size:
+        hypotheses = options["d3d_num_hypotheses"]
+        if hypotheses is None:
+            hypotheses = min(ASYNC_OPTIONS["d3d_num_hypotheses"], self.block_size)
+        self.num_hypotheses = _whole_number(hypotheses)
+        if self.num_hypotheses is None or not 1 <= self.num_hypotheses <= self.block_size:
             raise ValueError(
-                f"`d3d_num_hypotheses` must be in [1, block_size={self.block_size}], got {self.num_hypotheses}."
+                f"`d3d_num_hypotheses` must be a whole number in [1, block_size={self.block_size}] (or None for "
+                f"min(4, block_size)), got {hypotheses!r}."
             )
-        worker_threads = options["d3d_worker_threads"]
-        if worker_threads is None:
-            worker_threads = max(1, torch.get_num_threads() // 2)
-        if isinstance(worker_threads, bool) or int(worker_threads) != worker_threads or worker_threads < 1:
+        threads = options["d3d_worker_threads"]
+        if threads is None:
+            threads = max(1, torch.get_num_threads() // 2)
+        most = max(os.cpu_count() or 1, torch.get_num_threads())
+        self.worker_threads = _whole_number(threads)
+        if self.worker_threads is None or not 1 <= self.worker_threads <= most:
             raise ValueError(
-                f"`d3d_worker_threads` must be a whole number >= 1 (or None for half of torch's threads), got "
-                f"{worker_threads!r}."
+                f"`d3d_worker_threads` must be a whole number in [1, {most}] (at most the CPU count or torch's "
+                f"threads, whichever is larger; None for half of torch's threads), got {threads!r}."
             )
-        self.worker_threads = int(worker_threads)
         from .modeling_d3d import D3DCache  # deferred: modeling_d3d imports this module
 
         self.cache = D3DCache()  # a new, empty drafter state for every `generate` call
@@ -351,31 +388,20 @@ class D3DCandidateGenerator(CandidateGenerator):
             self.stats.packed_seconds.append(time.perf_counter() - start)
         else:
 
-            worker_threads = self.worker_threads
-
             def packed_pass():
-                if torch.get_num_threads() != worker_threads:
-                    # per OS thread: the caller's count is untouched (the default new threads inherit is reset at
-                    # the join, on the caller)
-                    torch.set_num_threads(worker_threads)
-                threads = torch.get_num_threads()
                 begin = time.perf_counter()
                 result = self.drafter.packed_draft_logits(chain, self.cache, chain_lengths, guesses)
-                return result, time.perf_counter() - begin, threads
+                return result, time.perf_counter() - begin
 
-            self._pending = (_executor().submit(packed_pass), info)
+            self.stats.worker_threads = self.worker_threads
+            self._pending = (_executor(self.worker_threads).submit(packed_pass), info)
 
     def _join_packed_pass(self):
         handle, info = self._pending
         self._pending = None
         if isinstance(handle, concurrent.futures.Future):
             start = time.perf_counter()
-            packed, seconds, threads = handle.result()
-            if threads != torch.get_num_threads():
-                # torch.set_num_threads on the worker also changed the count that threads created later start with;
-                # setting the caller's own count again restores it (and changes nothing on this thread)
-                torch.set_num_threads(torch.get_num_threads())
-            self.stats.worker_threads = threads
+            packed, seconds = handle.result()
             self.stats.packed_seconds.append(seconds)
             self.stats.join_wait_seconds.append(time.perf_counter() - start)
             return packed, info
@@ -431,6 +457,23 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.stats.acceptance_lengths.append(num_matches + 1)
         if self._draft_end is not None:
             self.stats.verify_seconds.append(now - self._draft_end)
+        if self._pending is not None and self._generation_ends(input_ids):
+            # the pass drafted for a round that will not come: wait for it here rather than let it run on after
+            # `generate` returns (it would take CPU from whatever the caller does next)
+            handle, _ = self._pending
+            self._pending = None
+            if isinstance(handle, concurrent.futures.Future):
+                if not handle.cancel():
+                    handle.result()
+            else:
+                handle[1].synchronize()
+
+    def _generation_ends(self, input_ids: torch.LongTensor) -> bool:
+        """Whether transformers' loop stops after this round by length, eos or stop string (the criteria the
+        generator knows; after a stop by a user's own stopping criterion the last packed pass finishes on its own)."""
+        if input_ids.shape[1] >= self.max_length or int(input_ids[0, -1]) in self.eos_token_ids:
+            return True
+        return self.stop_string_criteria is not None and bool(self.stop_string_criteria(input_ids, None).any())
 
 
 def _check_prompt_and_drafter(drafter: D3DForDiffusionDrafting, prompt_length: int, target=None) -> None:

@@ -22,7 +22,7 @@ def tiny_target(family: str = "llama", vocab_size: int = 97, seed: int = 0, num_
         pad_token_id=0,
     )
     if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **common))
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common))
     elif family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, tie_word_embeddings=False, **common))
     else:

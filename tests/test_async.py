@@ -157,35 +157,95 @@ def test_options_come_from_the_call_or_the_drafter():
             _greedy(target, ids, drafter, max_new_tokens=8, d3d_num_hypotheses=bad)
 
 
-def test_worker_threads_option_sets_the_worker_only():
+def _instrumented(drafter, monkeypatch):
+    """Records, for every packed pass, the torch thread count it ran with and whether it finished."""
+    import time
+
+    calls = []
+    original = drafter.packed_draft_logits
+
+    def packed_draft_logits(*args, **kwargs):
+        call = {"threads": torch.get_num_threads(), "done": False}
+        calls.append(call)
+        result = original(*args, **kwargs)
+        time.sleep(0.02)  # long enough that a pass left running would be seen running
+        call["done"] = True
+        return result
+
+    monkeypatch.setattr(drafter, "packed_draft_logits", packed_draft_logits)
+    return calls
+
+
+def test_worker_threads_option_sets_the_worker_only(monkeypatch):
     """`d3d_worker_threads` sets the packed-pass worker's torch threads; the caller's count, and the count that threads
-    created afterwards start with, stay as they were; output stays identical."""
+    created afterwards start with, stay as they were (also when the call ends with a pass never joined, and for a
+    count never used before); output stays identical."""
     import threading
 
+    from d3d_hf.modeling import generation_d3d
+
+    monkeypatch.setattr(generation_d3d, "_EXECUTORS", {})  # every worker count below is new to this process
     target = tiny_target(sharpen=4.0)
     drafter = _perturbed_drafter(target, 4)
+    calls = _instrumented(drafter, monkeypatch)
     ids = random_prompt(6)
-    reference = _greedy(target, ids, max_new_tokens=24)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        for requested, expected in ((1, 1), (3, 3), (None, 1)):  # None: half of the caller's 2 threads
-            out = _greedy(target, ids, drafter, max_new_tokens=24, d3d_async=True, d3d_worker_threads=requested)
-            assert torch.equal(out, reference)
-            assert drafter.last_generation_stats.worker_threads == expected
-            assert torch.get_num_threads() == 2
-            seen = []
-            thread = threading.Thread(target=lambda seen=seen: seen.append(torch.get_num_threads()))
-            thread.start()
-            thread.join()
-            assert seen == [2], requested
+        for max_new_tokens in (2, 24):  # 2: one round, its packed pass is never used
+            reference = _greedy(target, ids, max_new_tokens=max_new_tokens)
+            for requested, expected in ((1, 1), (2, 2), (None, 1), (2.0, 2)):  # None: half of the caller's 2
+                calls.clear()
+                out = _greedy(target, ids, drafter, max_new_tokens=max_new_tokens, d3d_async=True,
+                              d3d_worker_threads=requested)
+                assert torch.equal(out, reference)
+                # (with 2 new tokens the one pass may be cancelled before it starts: then no call is recorded)
+                assert {c["threads"] for c in calls} <= {expected} and (calls or max_new_tokens == 2), calls
+                assert drafter.last_generation_stats.worker_threads == expected
+                assert torch.get_num_threads() == 2
+                seen = []
+                thread = threading.Thread(target=lambda seen=seen: seen.append(torch.get_num_threads()))
+                thread.start()
+                thread.join()
+                assert seen == [2], (requested, max_new_tokens)
         _greedy(target, ids, drafter, max_new_tokens=8)
         assert drafter.last_generation_stats.worker_threads == 0  # synchronous: no worker
-        for bad in (0, -1, 1.5, True):
+        for bad in (0, -1, 1.5, True, "2", "abc", float("nan"), float("inf"), [2], 10**12):
             with pytest.raises(ValueError, match="d3d_worker_threads"):
                 _greedy(target, ids, drafter, max_new_tokens=8, d3d_async=True, d3d_worker_threads=bad)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("stop", ["length", "eos"])
+def test_no_packed_pass_runs_on_after_generate_returns(monkeypatch, stop):
+    """The pass launched in the last round (its round never comes) is finished or cancelled before `generate`
+    returns, so it takes no CPU from what the caller does next."""
+    target = tiny_target(sharpen=4.0, seed=3)
+    drafter = _perturbed_drafter(target, 8)
+    calls = _instrumented(drafter, monkeypatch)
+    ids = random_prompt(6, seed=1)
+    continuation = _greedy(target, ids, max_new_tokens=30)[0, ids.shape[1] :].tolist()
+    if stop == "eos":
+        target.generation_config.eos_token_id = continuation[9]
+    for max_new_tokens in (2, 5, 30):
+        calls.clear()
+        out = _greedy(target, ids, drafter, max_new_tokens=max_new_tokens, d3d_async=True, d3d_num_hypotheses=8)
+        assert torch.equal(out, _greedy(target, ids, max_new_tokens=max_new_tokens))
+        # a pass not started when generation ends is cancelled (no call recorded); one that started has finished
+        assert all(c["done"] for c in calls) and (calls or max_new_tokens < 30), (max_new_tokens, calls)
+
+
+def test_async_options_of_the_wrong_type_are_refused():
+    target = tiny_target()
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    ids = random_prompt()
+    for name, bad in [("d3d_num_hypotheses", 1.5), ("d3d_num_hypotheses", "2"), ("d3d_num_hypotheses", True),
+                      ("d3d_reuse_on_miss", "no"), ("d3d_async", "yes"), ("d3d_async", 1)]:
+        with pytest.raises(ValueError, match=name):
+            _greedy(target, ids, drafter, max_new_tokens=8, **{name: bad})
+    out = _greedy(target, ids, drafter, max_new_tokens=8, d3d_async=True, d3d_num_hypotheses=2.0)
+    assert torch.equal(out, _greedy(target, ids, max_new_tokens=8))
 
 
 def test_async_never_exceeds_the_budget_and_stops_at_eos():

@@ -159,8 +159,9 @@ def test_every_method_matches_the_target_and_reports_rounds(pair):
                 assert sum(run["acceptance_lengths"]) == run["new_tokens"]
                 assert run["draft_seconds"] > 0 and run["verify_seconds"] > 0
         assert result["summary"][method]["lossless_match"] == 1.0
-    # an assistant with the target's own weights drafts what the target would decode
-    assert result["summary"]["ar-assist"]["tau"] > 2
+    # an assistant with the target's own weights drafts what the target would decode: every round accepts its drafts
+    # (transformers' assistant stops drafting below its confidence threshold, so a round may hold just one)
+    assert result["summary"]["ar-assist"]["tau"] >= 2
     assert result["method_settings"]["pld"]["prompt_lookup_num_tokens"] == 3
     assert result["method_settings"]["ar-assist"]["num_assistant_tokens"] == 20
     assert result["method_settings"]["d3d"]["block_size"] == 4

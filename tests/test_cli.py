@@ -14,6 +14,8 @@ from d3d_hf.cli import main
         (["bench", "--methods", "target,d3d"], "needs --drafter"),
         (["bench", "--drafter", "x", "--limit", "0"], "--limit must be >= 1"),
         (["bench", "--drafter", "x", "--prompts", "/nonexistent/prompts.jsonl"], "does not exist"),
+        (["bench", "--drafter", "x", "--worker-threads", "1"], "--worker-threads only apply to method d3d-async"),
+        (["bench", "--drafter", "x", "--num-hypotheses", "2", "--reuse-on-miss"], "--num-hypotheses, --reuse-on-miss"),
     ],
 )
 def test_bench_argument_errors(argv, message, capsys):

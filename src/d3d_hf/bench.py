@@ -40,6 +40,7 @@ and how to read its per-round statistics after the call.
 
 from __future__ import annotations
 
+import copy
 import os
 import platform
 import statistics
@@ -419,6 +420,12 @@ def _check_methods(methods: Sequence[str], resources: Mapping[str, Any]) -> list
 
 
 def _generate(target, input_ids: torch.LongTensor, max_new_tokens: int, **kwargs) -> torch.LongTensor:
+    config = kwargs.pop("generation_config", None)
+    if config is not None:
+        # a method's own GenerationConfig gets the harness's settings (transformers deprecates passing both)
+        config = copy.deepcopy(config)
+        config.update(max_new_tokens=max_new_tokens, do_sample=False)
+        return target.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, **kwargs)
     return target.generate(
         input_ids,
         attention_mask=torch.ones_like(input_ids),

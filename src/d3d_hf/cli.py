@@ -287,6 +287,11 @@ def _bench(args) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown --methods {unknown}; choose from {list(METHODS)}")
+    async_options = {"--num-hypotheses": args.num_hypotheses, "--reuse-on-miss": args.reuse_on_miss,
+                     "--worker-threads": args.worker_threads}
+    unused = [name for name, value in async_options.items() if value not in (None, False)]
+    if unused and "d3d-async" not in methods:
+        raise ValueError(f"{', '.join(unused)} only apply to method d3d-async: add it to --methods or drop them")
     given = {"drafter": args.drafter, "assistant": args.assistant}
     for m in methods:
         for needed in METHODS[m].requires:
