@@ -46,6 +46,11 @@ worker half of the calling thread's torch intra-op threads (at least one)."""
 _EXECUTORS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
 
 
+def default_worker_threads() -> int:
+    """The default `d3d_worker_threads`: half of the calling thread's `torch.get_num_threads()`, at least 1."""
+    return max(1, torch.get_num_threads() // 2)
+
+
 def _executor(threads: int) -> concurrent.futures.ThreadPoolExecutor:
     """The worker thread that runs packed passes on CPU with `threads` torch intra-op threads (torch ops release the
     GIL); one per thread count, created once.
@@ -250,7 +255,7 @@ class D3DCandidateGenerator(CandidateGenerator):
             )
         threads = options["d3d_worker_threads"]
         if threads is None:
-            threads = max(1, torch.get_num_threads() // 2)
+            threads = default_worker_threads()
         most = max(os.cpu_count() or 1, torch.get_num_threads())
         self.worker_threads = _whole_number(threads)
         if self.worker_threads is None or not 1 <= self.worker_threads <= most:
@@ -602,6 +607,7 @@ __all__ = [
     "ASYNC_OPTIONS",
     "D3DCandidateGenerator",
     "D3DGenerationStats",
+    "default_worker_threads",
     "SUPPORTED_TRANSFORMERS",
     "install_generation_hook",
     "remove_generation_hook",

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .modeling.generation_d3d import default_worker_threads
 from .prompts import Prompt, encode_prompt
 
 
@@ -294,8 +295,8 @@ def _d3d_async_settings(resources: Mapping[str, Any]) -> dict[str, Any]:
         **_d3d_settings(resources),
         "hypotheses": options["d3d_num_hypotheses"],
         "reuse_on_miss": options["d3d_reuse_on_miss"],
-        # None: the engine's default, half of the benchmark's torch threads (CPU only)
-        "worker_threads": options["d3d_worker_threads"] or max(1, torch.get_num_threads() // 2),
+        # None: the engine's default (CPU only)
+        "worker_threads": options["d3d_worker_threads"] or default_worker_threads(),
     }
 
 
@@ -420,19 +421,14 @@ def _check_methods(methods: Sequence[str], resources: Mapping[str, Any]) -> list
 
 
 def _generate(target, input_ids: torch.LongTensor, max_new_tokens: int, **kwargs) -> torch.LongTensor:
-    config = kwargs.pop("generation_config", None)
-    if config is not None:
+    settings = {"max_new_tokens": max_new_tokens, "do_sample": False}
+    if "generation_config" in kwargs:
         # a method's own GenerationConfig gets the harness's settings (transformers deprecates passing both)
-        config = copy.deepcopy(config)
-        config.update(max_new_tokens=max_new_tokens, do_sample=False)
-        return target.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, **kwargs)
-    return target.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        **kwargs,
-    )
+        kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
+        kwargs["generation_config"].update(**settings)
+    else:
+        kwargs.update(settings)
+    return target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
 
 
 def run_benchmark(
