@@ -1,4 +1,5 @@
-"""Packages a trained SmolLM2 drafter as `d3d-smollm2-135m-instruct` (src/d3d_hf/pretrained/) with its model card.
+"""Packages a trained SmolLM2 drafter as `d3d-smollm2-135m-instruct` (src/d3d_hf/pretrained/) with its model card
+(weights, config and card: no copy of the remote-code bundle, which exports write).
 
     python examples/ship_smollm2_drafter.py --run runs/train/smollm2-d3d \
         --results benchmarks/results/shipped_humaneval_float32.json benchmarks/results/shipped_humaneval_bfloat16.json
@@ -64,6 +65,14 @@ def main() -> None:
     if destination.exists():
         shutil.rmtree(destination)
     drafter.save_pretrained(destination)
+    # inside the package the registered model_type loads it: keep weights, config and card only; every export
+    # (`save_pretrained`, `push_to_hub`, `d3d-hf push`) writes the current bundle next to them again
+    for bundle_file in destination.glob("*_d3d.py"):
+        bundle_file.unlink()
+    config_path = destination / "config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("auto_map", None)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     print(f"packaged {NAME} in {destination} ({sum(f.stat().st_size for f in destination.iterdir()) / 2**20:.1f} MiB)")
 
 

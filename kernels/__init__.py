@@ -7,15 +7,19 @@ imports with torch alone. On CPU the kernels run under Triton's interpreter (`TR
 from .packed_attention import (
     BACKENDS,
     packed_attention,
+    packed_attention_kernel,
     packed_attention_naive,
     packed_attention_triton,
+    reference_mask,
     triton_unavailable_reason,
 )
 
 __all__ = [
     "BACKENDS",
     "packed_attention",
+    "packed_attention_kernel",
     "packed_attention_naive",
     "packed_attention_triton",
+    "reference_mask",
     "triton_unavailable_reason",
 ]

@@ -16,14 +16,14 @@ too few query tiles to fill the GPU; a second kernel then merges the partial res
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .packed_attention import interpreter_requested
+
 #: Whether the kernels below run in Triton's CPU interpreter (`TRITON_INTERPRET` was on at import).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")
+INTERPRETED = interpreter_requested()
 
 # Running max before any key is seen: finite, so a row that has seen only masked keys gives exp2(-inf - m) = 0 and
 # exp2(m - m) = 1 instead of NaN; real scores never come near it.

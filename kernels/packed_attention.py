@@ -3,7 +3,7 @@
 The packed pass (d3d-hf docs/DESIGN.md section 2) drafts the successor block of several verification outcomes
 (hypotheses) in one forward: a causal chain of tokens followed by one successor block per hypothesis, after the
 drafter's cached prefix. Its attention mask is a function of three small per-token tensors
-(`d3d_hf.modeling.modeling_d3d.packed_metadata`), so the Triton kernel computes it on the fly instead of reading a
+(`d3d_hf.modeling.drafting_d3d.packed_metadata`), so the Triton kernel computes it on the fly instead of reading a
 dense `[T, P + T]` mask (DESIGN.md section 5). The Triton kernel is forward (inference) only; the naive reference is
 differentiable.
 """
@@ -24,7 +24,8 @@ _MAX_TRITON_HEAD_DIM = 256
 _TRITON_MODULE = __package__ + "._packed_attention_triton"
 
 
-def _interpreter_requested() -> bool:
+def interpreter_requested() -> bool:
+    """Whether `TRITON_INTERPRET` asks for Triton's CPU interpreter (the one parser of the switch in d3d-hf)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")
 
 
@@ -89,6 +90,35 @@ def _check_inputs(
     return total_keys - num_tokens, num_heads // num_kv_heads, float(scale)
 
 
+def reference_mask(
+    segment_ids: torch.Tensor, positions: torch.Tensor, chain_lengths: torch.Tensor, prefix_length: int
+) -> torch.BoolTensor:
+    """The kernel's mask rule, materialised: `[T, prefix_length + T]` booleans, `True` where query `t` may attend key
+    `s` (keys: the `prefix_length` cached tokens, then packed token `j` at index `prefix_length + j`).
+
+    The rule, in the kernel's terms (what `_packed_attention_fwd_kernel` evaluates per tile): every query sees the
+    whole cached prefix; a chain key (`segment_ids[s] == 0`) is seen by queries whose `chain_lengths` exceed its
+    position; a key of successor block `b > 0` is seen by the queries of block `b` only, and a block's first token
+    (`positions == 0`, the bonus guess) sees no other token of its block. Kept here, independent of the drafter's own
+    `drafting_d3d.packed_attention_mask`, so that the tests check one against the other.
+    """
+    query_segment, key_segment = segment_ids.view(-1, 1), segment_ids.view(1, -1)
+    query_position, key_position = positions.view(-1, 1), positions.view(1, -1)
+    sees_chain_key = (key_segment == 0) & (key_position < chain_lengths.view(-1, 1))
+    in_own_block = (key_segment > 0) & (key_segment == query_segment)
+    anchor_sees_only_itself = (query_position == 0) & (key_position != 0)
+    packed = sees_chain_key | (in_own_block & ~anchor_sees_only_itself)
+    cached = packed.new_ones((segment_ids.numel(), prefix_length))
+    return torch.cat([cached, packed], dim=1)
+
+
+def packed_attention_kernel():
+    """The `d3d.packed_attention_kernels` entry point d3d_hf declares: `(packed_attention_triton,
+    triton_unavailable_reason)`, which the drafter's packed passes use through
+    `d3d_hf.modeling.drafting_d3d.resolve_packed_attention_kernel`."""
+    return packed_attention_triton, triton_unavailable_reason
+
+
 def packed_attention_naive(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -99,17 +129,15 @@ def packed_attention_naive(
     *,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Plain PyTorch reference of `packed_attention`: the dense mask of
-    `d3d_hf.modeling.modeling_d3d.packed_attention_mask`, key/value heads repeated for grouped-query attention, and
+    """Plain PyTorch reference of `packed_attention`: the dense mask of `reference_mask`, key/value heads repeated
+    for grouped-query attention, and
     `torch.nn.functional.scaled_dot_product_attention` in the inputs' dtype. Arguments, returns and errors are those
     of `packed_attention`. Builds a `[T, prefix_length + T]` boolean mask and `num_heads`-head copies of `key` and
     `value`; meant for testing and CPU use.
     """
     prefix_length, group, scale = _check_inputs(query, key, value, segment_ids, positions, chain_lengths, scale)
-    from ..modeling.modeling_d3d import packed_attention_mask, repeat_kv
-
-    mask = packed_attention_mask(segment_ids, positions, chain_lengths, prefix_length)
-    key, value = repeat_kv(key, group), repeat_kv(value, group)
+    mask = reference_mask(segment_ids, positions, chain_lengths, prefix_length)
+    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
     # Rows that may attend to nothing (never produced by packed_metadata) are zeros, as in the Triton kernel.
     return out.masked_fill(~mask.any(dim=-1)[:, None], 0.0)
@@ -134,7 +162,7 @@ def triton_unavailable_reason(device: torch.device | str) -> str | None:
         return None
     if device.type != "cpu":
         return f"the Triton kernel runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1), got {device.type}."
-    if not _interpreter_requested():
+    if not interpreter_requested():
         return (
             "the tensors are on CPU and TRITON_INTERPRET is not set to 1: the Triton kernel needs CUDA tensors, or "
             "Triton's CPU interpreter (set TRITON_INTERPRET=1 before the first Triton call); use backend='naive' or "
@@ -242,7 +270,7 @@ def packed_attention(
     Query `t` attends key `s` iff `s < P` (the cached prefix), or `s` is a chain token (`segment_ids[s] == 0`) with
     `positions[s] < chain_lengths[t]`, or `s` is in `t`'s own successor block (`segment_ids[s] == segment_ids[t] >
     0`) and `positions[t] > 0 or positions[s] == 0`: exactly `packed_attention_mask(segment_ids, positions,
-    chain_lengths, P)` of `d3d_hf.modeling.modeling_d3d` (key index `P + j` is packed token `j`). The Triton kernel
+    chain_lengths, P)` of `d3d_hf.modeling.drafting_d3d` (key index `P + j` is packed token `j`). The Triton kernel
     computes this rule from the metadata on the fly, flash-attention style (online softmax, arXiv 2205.14135), and
     never materialises the dense mask. The Triton kernel is forward only (inference): with grad mode on and an input
     that requires grad, `"auto"` uses the naive backend (differentiable) and `"triton"` raises.
@@ -255,7 +283,7 @@ def packed_attention(
             `num_heads % num_kv_heads == 0` and query head `h` uses key/value head `h // (num_heads // num_kv_heads)`.
         value (`torch.Tensor`, shaped like `key`): the matching values.
         segment_ids, positions, chain_lengths (`torch.LongTensor` (any integer dtype) of shape `(T,)`): the
-            per-token metadata returned by `d3d_hf.modeling.modeling_d3d.packed_metadata`, shared across the batch,
+            per-token metadata returned by `d3d_hf.modeling.drafting_d3d.packed_metadata`, shared across the batch,
             on `query`'s device.
         scale (`float`, *optional*): softmax scale; defaults to `head_dim ** -0.5`.
         backend (`str`, *optional*, defaults to `"auto"`): `"naive"` (dense mask + PyTorch SDPA,
@@ -276,7 +304,7 @@ def packed_attention(
             and `TRITON_INTERPRET` is not set to 1), or when an input requires grad with grad mode on (forward only).
 
     Example:
-        >>> from d3d_hf.modeling.modeling_d3d import packed_metadata
+        >>> from d3d_hf.modeling.drafting_d3d import packed_metadata
         >>> meta = packed_metadata(chain_length=3, hypothesis_chain_lengths=[1, 3], block_size=4)  # T = 3 + 2 * 4
         >>> q = torch.randn(1, 4, 11, 64)
         >>> k, v = torch.randn(2, 1, 2, 20 + 11, 64)  # 2 key/value heads, 20 cached positions
@@ -299,6 +327,8 @@ def packed_attention(
 
 __all__ = [
     "BACKENDS",
+    "packed_attention_kernel",
+    "reference_mask",
     "packed_attention",
     "packed_attention_naive",
     "packed_attention_triton",

@@ -1,8 +1,9 @@
-"""The remote-code bundle of D3D drafters (copied next to every saved checkpoint)."""
+"""The remote-code bundle of D3D drafters (copied next to every saved checkpoint); docs/ARCHITECTURE.md maps it."""
 
 from .configuration_d3d import D3DConfig
+from .drafting_d3d import D3DCache, D3DPackedDraft, register_packed_attention_kernel
 from .generation_d3d import D3DCandidateGenerator, D3DGenerationStats, install_generation_hook, remove_generation_hook
-from .modeling_d3d import D3DCache, D3DForDiffusionDrafting, D3DModel, D3DPreTrainedModel
+from .modeling_d3d import D3DForDiffusionDrafting, D3DModel, D3DPreTrainedModel
 
 __all__ = [
     "D3DCache",
@@ -11,7 +12,9 @@ __all__ = [
     "D3DForDiffusionDrafting",
     "D3DGenerationStats",
     "D3DModel",
+    "D3DPackedDraft",
     "D3DPreTrainedModel",
     "install_generation_hook",
+    "register_packed_attention_kernel",
     "remove_generation_hook",
 ]

@@ -6,23 +6,22 @@ loaded with `trust_remote_code=True` (without d3d_hf installed) decodes with D3D
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import inspect
 import os
-import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import transformers
+from transformers import PreTrainedModel
 from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-if TYPE_CHECKING:
-    from .modeling_d3d import D3DForDiffusionDrafting
+from .drafting_d3d import D3DCache
+from .runtime_d3d import PackedPassWorker, RoundClock, default_worker_threads
 
 #: transformers releases the hook was tested with (inclusive lower, exclusive upper bound).
 SUPPORTED_TRANSFORMERS = ("5.24.0", "5.30.0")
@@ -43,37 +42,6 @@ _EXPECTED_FACTORY_PARAMETERS = (
 ASYNC_OPTIONS = {"d3d_async": False, "d3d_num_hypotheses": 4, "d3d_reuse_on_miss": False, "d3d_worker_threads": None}
 """Defaults; `d3d_num_hypotheses` is at most the block size when not set; `d3d_worker_threads=None` gives the CPU
 worker half of the calling thread's torch intra-op threads (at least one)."""
-_EXECUTORS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
-
-
-def default_worker_threads() -> int:
-    """The default `d3d_worker_threads`: half of the calling thread's `torch.get_num_threads()`, at least 1."""
-    return max(1, torch.get_num_threads() // 2)
-
-
-def _executor(threads: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The worker thread that runs packed passes on CPU with `threads` torch intra-op threads (torch ops release the
-    GIL); one per thread count, created once.
-
-    torch's thread count is per OS thread once a thread has run torch ops, but `torch.set_num_threads` also sets the
-    default that threads created later start with. So the new worker sets its own count first, and the caller, once
-    that is done, sets its own (unchanged) count again, which puts the default back; no pass changes it afterwards.
-    """
-    if threads not in _EXECUTORS:
-        executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"d3d-packed-draft-{threads}"
-        )
-        executor.submit(_set_worker_threads, threads).result()
-        torch.set_num_threads(torch.get_num_threads())
-        _EXECUTORS[threads] = executor
-    return _EXECUTORS[threads]
-
-
-def _set_worker_threads(threads: int) -> None:
-    # torch initialises a thread's count from the process default on the thread's first parallel op; doing that
-    # before setting it keeps the later reset of the default (by the caller) from overriding this thread's count
-    torch.get_num_threads()
-    torch.set_num_threads(threads)
 
 
 def _whole_number(value: Any) -> int | None:
@@ -208,7 +176,7 @@ class D3DCandidateGenerator(CandidateGenerator):
 
     def __init__(
         self,
-        drafter: D3DForDiffusionDrafting,
+        drafter: PreTrainedModel,
         input_ids: torch.LongTensor,
         generation_config,
         logits_processor=None,
@@ -263,15 +231,14 @@ class D3DCandidateGenerator(CandidateGenerator):
                 f"`d3d_worker_threads` must be a whole number in [1, {most}] (at most the CPU count or torch's "
                 f"threads, whichever is larger; None for half of torch's threads), got {threads!r}."
             )
-        from .modeling_d3d import D3DCache  # deferred: modeling_d3d imports this module
-
         self.cache = D3DCache()  # a new, empty drafter state for every `generate` call
         self.stats = D3DGenerationStats(
             asynchronous=self.asynchronous, num_hypotheses=self.num_hypotheses if self.asynchronous else 0
         )
         drafter.last_generation_stats = self.stats
-        self._draft_end = None
-        self._pending = None  # the packed pass in flight: (future or (result, cuda event), launch info)
+        self.round_clock = RoundClock(self.stats.draft_seconds, self.stats.verify_seconds)
+        self._worker = PackedPassWorker(self._draft_device(), self.worker_threads)
+        self._pending_info = None  # launch info of the packed pass in flight (`self._worker` runs it)
 
     def _draft_device(self) -> torch.device:
         return self.drafter.model.embed_tokens.weight.device
@@ -289,13 +256,12 @@ class D3DCandidateGenerator(CandidateGenerator):
             num_drafts)`, and the processed draft scores, `torch.FloatTensor` of shape `(1, num_drafts,
             vocab_size)` (`None` when nothing is drafted).
         """
-        start = time.perf_counter()
+        self.round_clock.start_draft()
         cur_len = input_ids.shape[1]
         num_drafts = min(self.block_size - 1, self.max_length - cur_len - 1)
-        block_logits = self._use_packed_block(input_ids) if self._pending is not None else None
+        block_logits = self._use_packed_block(input_ids) if self._worker.pending else None
         if num_drafts <= 0:
-            self._draft_end = time.perf_counter()
-            self.stats.draft_seconds.append(self._draft_end - start)
+            self.round_clock.end_draft()
             return input_ids, None
         if block_logits is None:
             committed = input_ids[:, self.cache.get_seq_length() :].to(self._draft_device())
@@ -304,8 +270,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         drafts, scores = self._choose_drafts(input_ids, block_logits[:num_drafts])
         if drafts and self.asynchronous and cur_len + 1 < self.max_length:
             self._launch_packed_pass(input_ids, drafts, scores, block_logits)
-        self._draft_end = time.perf_counter()
-        self.stats.draft_seconds.append(self._draft_end - start)
+        self.round_clock.end_draft()
         if not drafts:
             return input_ids, None
         self.stats.drafted_tokens += len(drafts)
@@ -379,48 +344,25 @@ class D3DCandidateGenerator(CandidateGenerator):
         chain = torch.cat([pending, draft_ids], dim=1)
         offset = pending.shape[1]
         chain_lengths = [offset + m for m in lengths]
-        info = {"cur_len": input_ids.shape[1], "num_pending": offset, "chain": chain, "device": device}
-        start = time.perf_counter()
-        if device.type == "cuda":
-            stream = getattr(self, "_stream", None) or torch.cuda.Stream(device)
-            self._stream = stream
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                packed = self.drafter.packed_draft_logits(chain, self.cache, chain_lengths, guesses)
-            event = torch.cuda.Event()
-            event.record(stream)
-            self._pending = ((packed, event), info)
-            self.stats.packed_seconds.append(time.perf_counter() - start)
+        self._pending_info = {"cur_len": input_ids.shape[1], "num_pending": offset, "chain": chain}
+
+        def packed_pass():
+            return self.drafter.packed_draft_logits(chain, self.cache, chain_lengths, guesses)
+
+        enqueue_seconds = self._worker.launch(packed_pass)
+        if enqueue_seconds is not None:  # CUDA: the time to enqueue the pass
+            self.stats.packed_seconds.append(enqueue_seconds)
         else:
-
-            def packed_pass():
-                begin = time.perf_counter()
-                result = self.drafter.packed_draft_logits(chain, self.cache, chain_lengths, guesses)
-                return result, time.perf_counter() - begin
-
             self.stats.worker_threads = self.worker_threads
-            self._pending = (_executor(self.worker_threads).submit(packed_pass), info)
-
-    def _join_packed_pass(self):
-        handle, info = self._pending
-        self._pending = None
-        if isinstance(handle, concurrent.futures.Future):
-            start = time.perf_counter()
-            packed, seconds = handle.result()
-            self.stats.packed_seconds.append(seconds)
-            self.stats.join_wait_seconds.append(time.perf_counter() - start)
-            return packed, info
-        packed, event = handle
-        current = torch.cuda.current_stream(info["device"])
-        current.wait_event(event)
-        for tensor in [packed.logits, *packed.key_states, *packed.value_states]:
-            tensor.record_stream(current)  # allocated on the side stream, used and freed on this one
-        return packed, info
 
     def _use_packed_block(self, input_ids: torch.LongTensor) -> torch.FloatTensor | None:
         """Joins the packed pass, extends the drafter cache with what the verification committed, and returns the
         successor block's logits `(block_size, vocab_size)` on a hit (or a reused miss), else `None`."""
-        packed, info = self._join_packed_pass()
+        info, self._pending_info = self._pending_info, None
+        packed, seconds, wait = self._worker.join(lambda p: [p.logits, *p.key_states, *p.value_states])
+        if seconds is not None:
+            self.stats.packed_seconds.append(seconds)
+            self.stats.join_wait_seconds.append(wait)
         num_new = input_ids.shape[1] - info["cur_len"]  # accepted drafts + 1 bonus token
         accepted = num_new - 1
         num_chain = info["num_pending"] + accepted
@@ -454,24 +396,17 @@ class D3DCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches) -> None:
         """Records the outcome of one verification (`num_matches` accepted drafts, after transformers' eos and
         length cropping)."""
-        now = time.perf_counter()
+        self.round_clock.end_verify()
         num_matches = int(num_matches)
         self.stats.rounds += 1
         self.stats.accepted_drafts += num_matches
         self.stats.new_tokens += num_matches + 1
         self.stats.acceptance_lengths.append(num_matches + 1)
-        if self._draft_end is not None:
-            self.stats.verify_seconds.append(now - self._draft_end)
-        if self._pending is not None and self._generation_ends(input_ids):
-            # the pass drafted for a round that will not come: wait for it here rather than let it run on after
+        if self._worker.pending and self._generation_ends(input_ids):
+            # the pass drafted for a round that will not come: stop it here rather than let it run on after
             # `generate` returns (it would take CPU from whatever the caller does next)
-            handle, _ = self._pending
-            self._pending = None
-            if isinstance(handle, concurrent.futures.Future):
-                if not handle.cancel():
-                    handle.result()
-            else:
-                handle[1].synchronize()
+            self._worker.discard()
+            self._pending_info = None
 
     def _generation_ends(self, input_ids: torch.LongTensor) -> bool:
         """Whether transformers' loop stops after this round by length, eos or stop string (the criteria the
@@ -481,7 +416,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         return self.stop_string_criteria is not None and bool(self.stop_string_criteria(input_ids, None).any())
 
 
-def _check_prompt_and_drafter(drafter: D3DForDiffusionDrafting, prompt_length: int, target=None) -> None:
+def _check_prompt_and_drafter(drafter: PreTrainedModel, prompt_length: int, target=None) -> None:
     """Raises a `ValueError` that says what to change when D3D cannot decode this prompt with this drafter."""
     if prompt_length < 1:
         raise ValueError(

@@ -9,11 +9,7 @@ shape `(batch_size, 1, query_len, key_len)`; `key_len` counts the cached tokens 
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,183 +21,21 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .checkpoint_d3d import check_weight_files, push_handler, save_folder_atomically, save_hooks
 from .configuration_d3d import D3DConfig
+from .drafting_d3d import (
+    D3DCache,
+    D3DPackedDraft,
+    causal_attention_mask,
+    draft_attention_mask,
+    draft_logits,
+    packed_attention_mask,
+    packed_draft_logits,
+    packed_metadata,
+    resolve_packed_attention_kernel,
+)
 from .generation_d3d import D3DCandidateGenerator, install_generation_hook
-
-
-class D3DCache:
-    """Key/value cache of the drafter's committed context.
-
-    The drafter keeps only committed tokens here (d3d-hf docs/DESIGN.md section 2): a draft pass appends the
-    block's keys and values, then `crop` removes them again. Per layer it holds `key_states`/`value_states`
-    tensors of shape `[batch_size, num_key_value_heads, seq_len, head_dim]`.
-    """
-
-    def __init__(self) -> None:
-        self.key_cache: list[torch.Tensor] = []
-        self.value_cache: list[torch.Tensor] = []
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Number of cached positions (0 for an empty cache)."""
-        if len(self.key_cache) <= layer_idx:
-            return 0
-        return self.key_cache[layer_idx].shape[-2]
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Appends `[B, H_kv, T, D]` keys/values for `layer_idx` and returns the full `[B, H_kv, S, D]` tensors."""
-        if len(self.key_cache) <= layer_idx:
-            self.key_cache.append(key_states)
-            self.value_cache.append(value_states)
-        else:
-            self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=-2)
-            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=-2)
-        return self.key_cache[layer_idx], self.value_cache[layer_idx]
-
-    def crop(self, max_length: int) -> None:
-        """Keeps the first `max_length` positions of every layer (a no-op when the cache is shorter)."""
-        if max_length < 0:
-            raise ValueError(f"`max_length` must be >= 0, got {max_length}.")
-        for i in range(len(self.key_cache)):
-            self.key_cache[i] = self.key_cache[i][..., :max_length, :]
-            self.value_cache[i] = self.value_cache[i][..., :max_length, :]
-
-
-class D3DPackedDraft:
-    """Result of one packed successor-drafting pass (`D3DForDiffusionDrafting.packed_draft_logits`).
-
-    Attributes:
-        logits (`torch.FloatTensor` of shape `(num_hypotheses, block_size, vocab_size)`): for hypothesis `h`, row `j`
-            scores draft token `e_{j+1}` of the successor block (row `block_size - 1` is one past the block), as the
-            rows of `draft_logits`.
-        hypothesis_chain_lengths (`list[int]`): chain tokens each hypothesis assumes committed.
-        bonus_guesses (`list[int]`): the first token `g_h` of each successor block (the guessed bonus token).
-        prefix_length (`int`): drafter cache length the pass was computed against.
-        key_states, value_states (`list[torch.Tensor]`): per layer, the packed tokens' keys/values, shape
-            `[1, num_key_value_heads, T, head_dim]`, kept so that committed tokens need no second forward.
-    """
-
-    def __init__(self, logits, hypothesis_chain_lengths, bonus_guesses, prefix_length, key_states, value_states):
-        self.logits = logits
-        self.hypothesis_chain_lengths = list(hypothesis_chain_lengths)
-        self.bonus_guesses = list(bonus_guesses)
-        self.prefix_length = prefix_length
-        self.key_states = key_states
-        self.value_states = value_states
-
-    def commit(self, cache: D3DCache, num_chain_tokens: int, hypothesis: int | None = None) -> None:
-        """Extends `cache` (which must still hold `prefix_length` positions) with the keys/values of the first
-        `num_chain_tokens` chain tokens and, when `hypothesis` is given, of that successor block's first token (its
-        bonus guess, which was committed): exactly what a causal pass over those tokens would have cached.
-
-        Raises:
-            ValueError: if the cache moved since the pass, or `num_chain_tokens` exceeds the hypothesis' chain.
-        """
-        if cache.get_seq_length() != self.prefix_length:
-            raise ValueError(
-                f"The drafter cache holds {cache.get_seq_length()} positions, the packed pass was made for "
-                f"{self.prefix_length}."
-            )
-        index = list(range(num_chain_tokens))
-        if hypothesis is not None:
-            if num_chain_tokens != self.hypothesis_chain_lengths[hypothesis]:
-                raise ValueError("A successor block can only be committed after its own hypothesis' chain.")
-            chain_length = self.key_states[0].shape[-2] - len(self.bonus_guesses) * self.logits.shape[1]
-            index.append(chain_length + hypothesis * self.logits.shape[1])
-        if not index:
-            return
-        index_t = torch.tensor(index, device=self.key_states[0].device)
-        for layer_idx, (keys, values) in enumerate(zip(self.key_states, self.value_states, strict=True)):
-            cache.update(keys.index_select(-2, index_t), values.index_select(-2, index_t), layer_idx)
-
-
-def causal_attention_mask(query_len: int, past_len: int, device: torch.device | str | None = None) -> torch.BoolTensor:
-    """Causal mask for `query_len` new tokens after `past_len` cached ones.
-
-    Returns:
-        `torch.BoolTensor` of shape `(1, 1, query_len, past_len + query_len)`, `True` where attention is allowed.
-    """
-    q_pos = torch.arange(query_len, device=device)[:, None] + past_len
-    k_pos = torch.arange(past_len + query_len, device=device)[None, :]
-    return (k_pos <= q_pos)[None, None]
-
-
-def draft_attention_mask(
-    num_committed: int, num_masks: int, past_len: int, device: torch.device | str | None = None
-) -> torch.BoolTensor:
-    """Attention mask of one synchronous draft pass (d3d-hf docs/DESIGN.md section 2, "shifted, causal anchor").
-
-    The query sequence is `num_committed` newly committed tokens (the last of them is the anchor) followed by
-    `num_masks` mask tokens. Committed tokens attend causally (they extend the drafter's KV cache exactly as an
-    autoregressive model would); mask tokens attend to the whole committed context and bidirectionally to each
-    other.
-
-    Returns:
-        `torch.BoolTensor` of shape `(1, 1, num_committed + num_masks, past_len + num_committed + num_masks)`.
-    """
-    mask = causal_attention_mask(num_committed + num_masks, past_len, device).clone()
-    mask[..., num_committed:, :] = True
-    return mask
-
-
-def packed_metadata(
-    chain_length: int, hypothesis_chain_lengths: list[int], block_size: int, device: torch.device | str | None = None
-) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:
-    """Per-token metadata of a packed successor-drafting pass (d3d-hf docs/DESIGN.md sections 2 and 5).
-
-    The packed sequence is one causal *chain* of `chain_length` tokens (tokens committed since the drafter's last
-    call, then the drafts `d1..d_{B-1}` of the block being verified) followed by one successor block of
-    `block_size` tokens `[g_h, MASK x (block_size - 1)]` per hypothesis `h`; hypothesis `h` assumes the first
-    `hypothesis_chain_lengths[h]` chain tokens get committed.
-
-    Returns:
-        `(segment_ids, positions, chain_lengths)`, each a `torch.LongTensor` of shape `(T,)` with `T = chain_length
-        + len(hypothesis_chain_lengths) * block_size`: `segment_ids` is 0 on the chain and `h + 1` on block `h`;
-        `positions` the index inside the segment; `chain_lengths` how many chain tokens the token sees (`i + 1` for
-        chain token `i`, the hypothesis' chain length inside a block).
-
-    Raises:
-        ValueError: if a hypothesis' chain length is outside `[0, chain_length]` or `block_size < 1`.
-    """
-    if block_size < 1:
-        raise ValueError(f"`block_size` must be >= 1, got {block_size}.")
-    for length in hypothesis_chain_lengths:
-        if not 0 <= length <= chain_length:
-            raise ValueError(f"A hypothesis' chain length must be in [0, {chain_length}], got {length}.")
-    num_blocks = len(hypothesis_chain_lengths)
-    chain = torch.arange(chain_length, device=device)
-    in_block = torch.arange(block_size, device=device).repeat(num_blocks)
-    segment_ids = torch.cat(
-        [
-            torch.zeros(chain_length, dtype=torch.long, device=device),
-            torch.arange(1, num_blocks + 1, device=device).repeat_interleave(block_size),
-        ]
-    )
-    hypotheses = torch.tensor(hypothesis_chain_lengths, dtype=torch.long, device=device)
-    chain_lengths = torch.cat([chain + 1, hypotheses.repeat_interleave(block_size)])
-    return segment_ids, torch.cat([chain, in_block]), chain_lengths
-
-
-def packed_attention_mask(
-    segment_ids: torch.Tensor, positions: torch.Tensor, chain_lengths: torch.Tensor, prefix_length: int
-) -> torch.BoolTensor:
-    """Dense boolean mask of a packed successor-drafting pass, from the metadata of `packed_metadata`.
-
-    Query `t` may attend key `s` (keys are the `prefix_length` cached tokens, then the packed tokens in order) iff
-    `s` is in the cached prefix; or `s` is a chain token with `positions[s] < chain_lengths[t]`; or `s` is in the
-    same successor block as `t` and (`t` is a mask, `positions[t] > 0`, or `s` is the block's first token): the
-    block's first token (the bonus guess, an anchor) attends causally, as in a synchronous draft pass ("shifted,
-    causal anchor", d3d-hf docs/DESIGN.md section 8), and the masks attend to the whole block.
-
-    Returns:
-        `torch.BoolTensor` of shape `(T, prefix_length + T)`, `True` where attention is allowed.
-    """
-    same_block = (segment_ids[:, None] == segment_ids[None, :]) & (segment_ids[:, None] > 0)
-    block = same_block & ((positions[:, None] > 0) | (positions[None, :] == 0))
-    chain = (segment_ids[None, :] == 0) & (positions[None, :] < chain_lengths[:, None])
-    prefix = torch.ones(segment_ids.shape[0], prefix_length, dtype=torch.bool, device=segment_ids.device)
-    return torch.cat([prefix, block | chain], dim=1)
+from .initialization_d3d import from_autoregressive
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -249,6 +83,18 @@ def eager_attention_forward(
     attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
     attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous()
     return attn_output, attn_weights
+
+
+def kernel_attention_interface(kernel: Callable) -> Callable:
+    """A transformers-style attention function (`(module, query, key, value, attention_mask, scaling, ...)` ->
+    `(output [B, T, H, D], None)`) that runs a registered packed-attention kernel: `attention_mask` is then the
+    packed pass's metadata `(segment_ids, positions, chain_lengths)`, from which the kernel computes the tree mask
+    (`drafting_d3d.packed_attention_mask` states the rule)."""
+
+    def packed_kernel_attention(module, query, key, value, attention_mask, scaling, **kwargs):
+        return kernel(query, key, value, *attention_mask, scale=scaling).transpose(1, 2), None
+
+    return packed_kernel_attention
 
 
 class D3DLinear(nn.Linear):
@@ -361,19 +207,6 @@ class D3DRotaryEmbedding(nn.Module):
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
-def _packed_attention_kernel(device: torch.device):
-    """`d3d_hf.kernels.packed_attention` when it can run as a Triton kernel on `device` (CUDA, or CPU under Triton's
-    interpreter when `TRITON_INTERPRET=1`, for tests; Triton and d3d_hf installed), else `None` (the packed pass then
-    uses a dense boolean mask)."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return None
-    try:
-        from d3d_hf.kernels import packed_attention, triton_unavailable_reason
-    except ImportError:
-        return None
-    return packed_attention if triton_unavailable_reason(device) is None else None
-
-
 class D3DAttention(nn.Module):
     """Grouped-query self-attention with RoPE and optional Qwen3-style per-head q/k RMSNorm."""
 
@@ -401,7 +234,11 @@ class D3DAttention(nn.Module):
         attention_mask: torch.Tensor,
         past_key_values: D3DCache | None = None,
         block_gate: torch.Tensor | None = None,
+        attention_interface: Callable = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`attention_interface` is the attention function `D3DModel.forward` chose for this forward (transformers'
+        signature: `(module, query, key, value, attention_mask, scaling=..., dropout=...)` -> `(output [B, T, H, D],
+        weights or None)`); `eager_attention_forward` when `None`."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         gated = hidden_states * block_gate if block_gate is not None and self.q_proj.rank > 0 else None
@@ -417,17 +254,7 @@ class D3DAttention(nn.Module):
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
-        if isinstance(attention_mask, tuple):
-            # packed successor pass with the Triton kernel: the tree mask is computed in the kernel from
-            # (segment_ids, positions, chain_lengths); see `packed_attention_mask` for the rule
-            kernel = _packed_attention_kernel(query_states.device)
-            attn_output = kernel(query_states, key_states, value_states, *attention_mask, scale=self.scaling)
-            attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1).contiguous()
-            return self.o_proj(attn_output, block_gate), None
-
-        attention_interface: Callable = eager_attention_forward
-        if self.config._attn_implementation not in (None, "eager"):
-            attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        attention_interface = attention_interface or eager_attention_forward
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -476,113 +303,19 @@ class D3DDecoderLayer(nn.Module):
         attention_mask: torch.Tensor,
         past_key_values: D3DCache | None = None,
         block_gate: torch.Tensor | None = None,
+        attention_interface: Callable = None,
     ) -> torch.Tensor:
         residual = hidden_states
         hidden_states, _ = self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, attention_mask, past_key_values, block_gate
+            self.input_layernorm(hidden_states),
+            position_embeddings,
+            attention_mask,
+            past_key_values,
+            block_gate,
+            attention_interface,
         )
         hidden_states = residual + hidden_states
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states), block_gate)
-
-
-def _with_variant(name: str, variant: str | None) -> str:
-    """`model.safetensors` -> `model.<variant>.safetensors` (transformers' naming of weight-file variants)."""
-    if not variant:
-        return name
-    parts = name.split(".")
-    return ".".join([*parts[:-1], variant, parts[-1]])
-
-
-def _safetensors_problem(path: str) -> str | None:
-    """What is wrong with the safetensors file at `path` (truncated, corrupt header), or `None` if its header is
-    sound and describes exactly the file's size. Reads only the header."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            return f"truncated ({size} bytes, shorter than a safetensors header)"
-        header_len = int.from_bytes(prefix, "little")
-        if header_len > size - 8:
-            return f"truncated (its header announces {header_len} bytes, the file holds {size - 8} after it)"
-        try:
-            header = json.loads(f.read(header_len))
-        except ValueError:
-            return "corrupt (its header is not valid JSON)"
-    if not isinstance(header, dict):
-        return "corrupt (its header is not a JSON object)"
-    end = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            end = max(end, int(entry["data_offsets"][1]))
-        except (TypeError, KeyError, IndexError, ValueError):
-            return f"corrupt (the header entry of {name!r} has no data offsets)"
-    if 8 + header_len + end != size:
-        return f"truncated or corrupt ({size} bytes, its header describes {8 + header_len + end})"
-    return None
-
-
-def _check_weight_files(folder: str, variant: str | None = None) -> None:
-    """Raises `OSError` naming the file when the safetensors weights of a local checkpoint folder are truncated or
-    corrupt (a missing weights file is left to transformers, which names it)."""
-    single = os.path.join(folder, _with_variant("model.safetensors", variant))
-    index = os.path.join(folder, _with_variant("model.safetensors.index.json", variant))
-    fix = (
-        "The save that wrote it was interrupted or the file was damaged in transfer: save the drafter again with "
-        "`save_pretrained`, or copy / download the folder again."
-    )
-    if os.path.isfile(single):
-        files = [single]
-    elif os.path.isfile(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                files = sorted({os.path.join(folder, name) for name in json.load(f)["weight_map"].values()})
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise OSError(f"{index} is corrupt ({type(err).__name__}: {err}). {fix}") from err
-    else:
-        return
-    for path in files:
-        if not os.path.isfile(path):
-            raise OSError(f"{path} is missing (listed in {os.path.basename(index)}). {fix}")
-        problem = _safetensors_problem(path)
-        if problem is not None:
-            raise OSError(f"{path} is {problem}. {fix}")
-
-
-def _publish_folder(staging: str, final: str, variant: str | None = None) -> None:
-    """Moves every file written into `staging` to the same place under `final` with `os.replace` (each file
-    appears whole or not at all), weights after the other files and `config.json` last. Files of `final` that the
-    save did not write are kept, except weight files of an earlier save that the new ones supersede (a stale
-    `model.safetensors` would otherwise shadow new shards, stale shards would sit next to a new single file)."""
-    written = []
-    for root, _, files in os.walk(staging):
-        for name in files:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                try:
-                    os.fsync(f.fileno())  # on disk before it replaces anything (survives a power cut, not just a kill)
-                except OSError:  # platforms that cannot sync a read-only handle
-                    pass
-            written.append(os.path.relpath(path, staging))
-    single = _with_variant("model.safetensors", variant)
-    index = _with_variant("model.safetensors.index.json", variant)
-    shard = re.compile(re.escape(single[: -len(".safetensors")]) + r"-\d{5}-of-\d{5}\.safetensors")
-
-    def is_weights(name: str) -> bool:
-        return name in (single, index) or shard.fullmatch(name) is not None
-
-    order = {False: 0, True: 1}
-    written.sort(key=lambda rel: (rel == "config.json", order[is_weights(rel)], rel))
-    os.makedirs(final, exist_ok=True)
-    for rel in written:
-        destination = os.path.join(final, rel)
-        os.makedirs(os.path.dirname(destination), exist_ok=True)
-        os.replace(os.path.join(staging, rel), destination)
-    if any(is_weights(rel) for rel in written):
-        for name in os.listdir(final):
-            if is_weights(name) and name not in written and os.path.isfile(os.path.join(final, name)):
-                os.remove(os.path.join(final, name))
 
 
 @dataclass
@@ -641,9 +374,10 @@ class D3DPreTrainedModel(PreTrainedModel):
             tokenizer (`PreTrainedTokenizerBase`, *optional*):
                 Saved into the same folder, so that the folder (and a Hub repository pushed from it) is complete.
             model_card (`bool`, defaults to `True`):
-                Write `README.md` rendered from `self.card_data` and the config, and that data as
-                `d3d_card_data.json` (needs the `d3d_hf` package; skipped without it). A `README.md` that d3d-hf did
-                not generate is kept (see `d3d_hf.hub.write_model_card`).
+                Run the installed `d3d.save_hooks` entry points after the save (`checkpoint_d3d.save_hooks`):
+                with `d3d_hf` installed, `d3d_hf.hub.write_model_card` writes `README.md` rendered from
+                `self.card_data` and the config, and that data as `d3d_card_data.json` (a `README.md` that d3d-hf
+                did not generate is kept); with only torch + transformers there is none.
             push_to_hub (`bool`, defaults to `False`):
                 After saving, upload with `self.push_to_hub` (`repo_id`, `commit_message`, `commit_description`,
                 `private`, `create_pr`, `revision`, `tags` and `token` are passed on), so that the uploaded card is
@@ -660,30 +394,17 @@ class D3DPreTrainedModel(PreTrainedModel):
             push_kwargs["token"] = kwargs.get("token")
         if not kwargs.get("is_main_process", args[0] if args else True):
             return super().save_pretrained(save_directory, *args, **kwargs)
-        final = os.path.realpath(os.fspath(save_directory))  # symlinks resolved: staging on the same file system
-        if os.path.isfile(final):
-            raise NotADirectoryError(f"{save_directory} is a file; `save_pretrained` writes a folder: pass a folder.")
-        parent = os.path.dirname(final)
-        os.makedirs(parent, exist_ok=True)
-        try:
-            staging = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.", suffix=".saving", dir=parent)
-        except PermissionError:  # the parent is read-only (e.g. the root of a mounted volume): stage inside
-            os.makedirs(final, exist_ok=True)
-            staging = tempfile.mkdtemp(prefix=".d3d-", suffix=".saving", dir=final)
-        try:
-            result = super().save_pretrained(staging, *args, **kwargs)
+
+        def write(staging: str):
+            result = super(D3DPreTrainedModel, self).save_pretrained(staging, *args, **kwargs)
             if tokenizer is not None:
                 tokenizer.save_pretrained(staging)
-            _publish_folder(staging, final, kwargs.get("variant"))
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            return result
+
+        result = save_folder_atomically(write, save_directory, kwargs.get("variant"))
         if model_card:
-            try:
-                from d3d_hf.hub import write_model_card
-            except ImportError:  # only torch + transformers installed: no card renderer
-                write_model_card = None
-            if write_model_card is not None:
-                write_model_card(self, save_directory)
+            for hook in save_hooks():  # d3d_hf's renders the model card
+                hook(self, save_directory)
         if push_kwargs is not None:
             repo_id = push_kwargs.pop("repo_id", os.path.basename(os.path.normpath(save_directory)))
             self.push_to_hub(repo_id, tokenizer=tokenizer, **push_kwargs)
@@ -693,19 +414,17 @@ class D3DPreTrainedModel(PreTrainedModel):
         r"""
         Uploads the folder `save_pretrained` writes (model card included) to the Hub.
 
-        With `d3d_hf` installed this is `d3d_hf.hub.push_drafter` (keyword arguments of transformers' `push_to_hub`,
-        plus `tokenizer` and `overwrite_card`); with only torch + transformers it is transformers' `push_to_hub`
-        (generic card), followed by `tokenizer.push_to_hub` when a tokenizer is given.
+        With `d3d_hf` installed this is its `d3d.push_handlers` entry point, `d3d_hf.hub.push_drafter` (keyword
+        arguments of transformers' `push_to_hub`, plus `tokenizer` and `overwrite_card`); with only torch +
+        transformers it is transformers' `push_to_hub` (generic card), followed by `tokenizer.push_to_hub` when a
+        tokenizer is given.
 
         Returns:
             `huggingface_hub.CommitInfo` of the model upload.
         """
-        try:
-            from d3d_hf.hub import push_drafter
-        except ImportError:  # only torch + transformers installed
-            push_drafter = None
-        if push_drafter is not None:
-            return push_drafter(self, repo_id, tokenizer=tokenizer, **kwargs)
+        handler = push_handler()
+        if handler is not None:
+            return handler(self, repo_id, tokenizer=tokenizer, **kwargs)
         result = super().push_to_hub(repo_id, **kwargs)
         if tokenizer is not None:
             tokenizer.push_to_hub(repo_id, token=kwargs.get("token"), revision=kwargs.get("revision"))
@@ -732,6 +451,8 @@ class D3DModel(D3DPreTrainedModel):
         # A vocabulary that fills every id (SmolLM2) has no spare row for the mask token: keep it separately so the
         # drafter's `vocab_size` stays equal to the target's (transformers' assisted generation requires it).
         self.mask_embedding = D3DMaskEmbedding(config.hidden_size) if config.mask_token_id is None else None
+        # how packed passes attend (not saved): `drafting_d3d.PACKED_ATTENTION_IMPLEMENTATIONS`
+        self.packed_attention_implementation = "auto"
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -786,7 +507,10 @@ class D3DModel(D3DPreTrainedModel):
             packed_metadata (`tuple` of three `torch.LongTensor` of shape `(seq_len,)`, *optional*):
                 `(segment_ids, positions, chain_lengths)` of a packed successor-drafting pass (`packed_metadata`):
                 the attention mask is then `packed_attention_mask` of them (pass no `attention_mask`), computed
-                inside the Triton kernel of `d3d_hf.kernels` on CUDA when available, else materialised.
+                inside the registered packed-attention kernel (`d3d_hf` registers its Triton kernel) or
+                materialised, as `self.packed_attention_implementation` says (`"auto"`: the kernel on CUDA, the
+                dense mask elsewhere; `"dense"`; `"kernel"`: the kernel wherever it can run, e.g. on CPU under
+                `TRITON_INTERPRET=1`), decided once for the whole forward.
 
         Returns:
             `D3DModelOutput` with `last_hidden_state` of shape `(batch_size, seq_len, hidden_size)`.
@@ -816,10 +540,16 @@ class D3DModel(D3DPreTrainedModel):
             position_ids = torch.arange(past_len, past_len + seq_len, device=device)[None].expand(batch_size, -1)
 
         key_len = past_len + seq_len
+        # the one decision of this forward about how attention runs
+        attention_interface = eager_attention_forward
+        if self.config._attn_implementation not in (None, "eager"):
+            attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         if packed_metadata is not None:
             if attention_mask is not None:
                 raise ValueError("Pass either `packed_metadata` or `attention_mask`, not both.")
-            if _packed_attention_kernel(device) is not None and batch_size == 1:
+            kernel = resolve_packed_attention_kernel(self.packed_attention_implementation, device, batch_size)
+            if kernel is not None:
+                attention_interface = kernel_attention_interface(kernel)
                 attention_mask = tuple(packed_metadata)  # the kernel computes the mask from the metadata
             else:
                 attention_mask = packed_attention_mask(*packed_metadata, past_len)[None, None]
@@ -854,7 +584,9 @@ class D3DModel(D3DPreTrainedModel):
             block_gate = block_positions[..., None].to(hidden_states.dtype)
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         for layer in self.layers:
-            hidden_states = layer(hidden_states, position_embeddings, attention_mask, cache, block_gate)
+            hidden_states = layer(
+                hidden_states, position_embeddings, attention_mask, cache, block_gate, attention_interface
+            )
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
         hidden_states = self.norm(hidden_states)
@@ -996,7 +728,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         if pretrained_model_name_or_path is not None:
             folder = os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
             if os.path.isdir(folder):
-                _check_weight_files(folder, kwargs.get("variant"))
+                check_weight_files(folder, kwargs.get("variant"))
         output_loading_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(
             pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
@@ -1092,52 +824,12 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         outputs.logits = self.lm_head(hidden_states)
         return outputs
 
-    @torch.no_grad()
     def draft_logits(
         self, committed_ids: torch.LongTensor, cache: D3DCache, num_masks: int | None = None
     ) -> torch.FloatTensor:
-        r"""
-        One synchronous draft pass (d3d-hf docs/DESIGN.md section 2): extends `cache` with `committed_ids` (causal) and
-        predicts the block that follows, without keeping the masks in the cache.
+        """One synchronous draft pass: `drafting_d3d.draft_logits(self, ...)` (arguments, returns and errors there)."""
+        return draft_logits(self, committed_ids, cache, num_masks)
 
-        Args:
-            committed_ids (`torch.LongTensor` of shape `(1, num_committed)`):
-                Tokens committed since the last call (at least one: the last is the anchor).
-            cache (`D3DCache`):
-                The drafter's cache of the committed context before `committed_ids`; extended in place.
-            num_masks (`int`, *optional*):
-                Mask tokens after the anchor; defaults to `block_size - 1`.
-
-        Returns:
-            `torch.FloatTensor` of shape `(1, num_masks + 1, vocab_size)`: row `j` scores draft token `d_{j+1}`
-            (row `num_masks` is the guess one past the block).
-
-        Raises:
-            ValueError: if `committed_ids` is empty.
-        """
-        num_committed = committed_ids.shape[1]
-        if num_committed < 1:
-            raise ValueError("A draft pass needs at least one committed token (the anchor).")
-        num_masks = self.config.block_size - 1 if num_masks is None else num_masks
-        past_len = cache.get_seq_length()
-        device = self.model.embed_tokens.weight.device
-        filler = committed_ids.new_zeros((1, num_masks))
-        input_ids = torch.cat([committed_ids.to(device), filler.to(device)], dim=1)
-        masked_positions = torch.zeros_like(input_ids, dtype=torch.bool)
-        masked_positions[:, num_committed:] = True
-        attention_mask = draft_attention_mask(num_committed, num_masks, past_len, device)
-        outputs = self(
-            input_ids=input_ids,
-            masked_positions=masked_positions,
-            attention_mask=attention_mask,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=num_masks + 1,
-        )
-        cache.crop(past_len + num_committed)
-        return outputs.logits
-
-    @torch.no_grad()
     def packed_draft_logits(
         self,
         chain_ids: torch.LongTensor,
@@ -1145,68 +837,9 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         hypothesis_chain_lengths: list[int],
         bonus_guesses: list[int],
     ) -> D3DPackedDraft:
-        r"""
-        Packed successor drafting (arXiv 2611.06425; d3d-hf docs/DESIGN.md section 2): in one forward pass, drafts the
-        block that follows each of several possible verification outcomes of the block now being verified.
-
-        The packed sequence is the causal chain `chain_ids` (tokens committed since the drafter's cache was last
-        extended, then the drafts under verification) followed by one block `[g_h, MASK x (B-1)]` per hypothesis
-        `h`, where `g_h = bonus_guesses[h]` is placed right after the first `hypothesis_chain_lengths[h]` chain
-        tokens. Each block attends to the cached prefix, to its hypothesis' chain tokens and to itself (causal
-        first token, bidirectional masks); see `packed_attention_mask`. `cache` is not modified: the packed keys and
-        values are returned so that `D3DPackedDraft.commit` can extend the cache with what really got committed.
-        On CUDA with Triton and d3d_hf installed, attention runs in the packed-attention kernel of `d3d_hf.kernels`
-        (mask computed from per-token metadata, none materialised); elsewhere through a dense boolean mask.
-
-        Args:
-            chain_ids (`torch.LongTensor` of shape `(1, chain_length)`): the chain (at least one token).
-            cache (`D3DCache`): the drafter's cache of the committed context before `chain_ids`.
-            hypothesis_chain_lengths (`list[int]`): per hypothesis, chain tokens it assumes committed (0..chain_length).
-            bonus_guesses (`list[int]`): per hypothesis, the guessed bonus token id `g_h`.
-
-        Returns:
-            `D3DPackedDraft` with `logits` of shape `(num_hypotheses, block_size, vocab_size)` in the model dtype.
-
-        Raises:
-            ValueError: for an empty chain, no hypotheses, mismatched lists, or a chain length out of range.
-        """
-        chain_length = chain_ids.shape[1]
-        if chain_length < 1 or not hypothesis_chain_lengths:
-            raise ValueError("A packed pass needs a non-empty chain and at least one hypothesis.")
-        if len(bonus_guesses) != len(hypothesis_chain_lengths):
-            raise ValueError("Pass one bonus guess per hypothesis.")
-        block_size = self.config.block_size
-        device = self.model.embed_tokens.weight.device
-        prefix_length = cache.get_seq_length()
-        segment_ids, positions, chain_lengths = packed_metadata(
-            chain_length, hypothesis_chain_lengths, block_size, device
-        )
-        num_blocks = len(hypothesis_chain_lengths)
-        blocks = torch.zeros((num_blocks, block_size), dtype=torch.long, device=device)
-        blocks[:, 0] = torch.tensor(bonus_guesses, dtype=torch.long, device=device)
-        input_ids = torch.cat([chain_ids.to(device)[0], blocks.flatten()])[None]
-        masked_positions = ((segment_ids > 0) & (positions > 0))[None]
-        # a block token sits right after its hypothesis' chain: position = prefix + chain length + index in block
-        position_ids = prefix_length + torch.where(segment_ids == 0, positions, chain_lengths + positions)[None]
-        work = D3DCache()  # a shallow copy: `update` concatenates into new tensors, the caller's cache is untouched
-        work.key_cache, work.value_cache = list(cache.key_cache), list(cache.value_cache)
-        outputs = self(
-            input_ids=input_ids,
-            masked_positions=masked_positions,
-            packed_metadata=(segment_ids, positions, chain_lengths),
-            position_ids=position_ids,
-            past_key_values=work,
-            use_cache=True,
-            logits_to_keep=num_blocks * block_size,
-        )
-        return D3DPackedDraft(
-            logits=outputs.logits[0].view(num_blocks, block_size, -1),
-            hypothesis_chain_lengths=hypothesis_chain_lengths,
-            bonus_guesses=bonus_guesses,
-            prefix_length=prefix_length,
-            key_states=[k[..., prefix_length:, :] for k in work.key_cache],
-            value_states=[v[..., prefix_length:, :] for v in work.value_cache],
-        )
+        """Packed successor drafting: `drafting_d3d.packed_draft_logits(self, ...)` (arguments, returns and errors
+        there)."""
+        return packed_draft_logits(self, chain_ids, cache, hypothesis_chain_lengths, bonus_guesses)
 
     def build_candidate_generator(self, target=None, **kwargs) -> D3DCandidateGenerator:
         """Called by the patched `GenerationMixin._get_candidate_generator` of the target (see
@@ -1231,136 +864,12 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         return D3DCandidateGenerator(drafter=self, target=target, **kwargs)
 
     @classmethod
-    def from_autoregressive(
-        cls,
-        model: PreTrainedModel,
-        num_layers: int | None = None,
-        layer_ids: list[int] | None = None,
-        block_size: int = 16,
-        mask_token_id: int | None = None,
-        source_model: str | None = None,
-        target_model: str | None = None,
-        block_lora_rank: int = 0,
-        block_lora_alpha: float = 16.0,
-        shares_target_weights: bool = False,
-    ) -> D3DForDiffusionDrafting:
-        r"""
-        Initialises a drafter from an autoregressive causal LM of the same tokenizer (Llama-, Mistral- or
-        Qwen3-style layers) by copying the chosen decoder layers, the final norm, the embeddings and the LM head
-        (d3d-hf docs/DESIGN.md section 3, "Initialisation").
-
-        Args:
-            model (`PreTrainedModel`):
-                A causal LM whose decoder layers have the Llama/Qwen3 layout (`model.model.layers[i].self_attn.
-                {q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`, two RMSNorms, optional `q_norm`/`k_norm`).
-            num_layers (`int`, *optional*):
-                Copy the first `num_layers` layers. Mutually exclusive with `layer_ids`; if both are `None` all
-                layers are copied (the best untrained drafter, d3d-hf docs/DESIGN.md section 8).
-            layer_ids (`list[int]`, *optional*):
-                Indices of the source layers to copy, in order.
-            block_size (`int`, defaults to 16):
-                Draft block size `B`.
-            mask_token_id (`int`, *optional*):
-                A spare vocabulary id to reuse as the mask token. When `None` a separate mask embedding is created,
-                initialised to the mean input embedding (a neutral "unknown token" vector).
-            source_model, target_model (`str`, *optional*):
-                Names recorded in the config (default: the source's `name_or_path`).
-            block_lora_rank, block_lora_alpha:
-                Block adapters to create (see `D3DConfig`; rank 0 = none). Fresh adapters leave the output unchanged.
-            shares_target_weights (`bool`, defaults to `False`):
-                Reference `model`'s tensors instead of copying them, and save only drafter-specific weights (the
-                source must then be the target the drafter is used with).
-
-        Returns:
-            `D3DForDiffusionDrafting` in the source model's dtype and on its device, in eval mode.
-
-        Raises:
-            ValueError: if both `num_layers` and `layer_ids` are given, a layer index is out of range, or the
-                source's layers do not have the supported layout.
-        """
-        if num_layers is not None and layer_ids is not None:
-            raise ValueError("Give either `num_layers` or `layer_ids`, not both.")
-        src_cfg = model.config.get_text_config()
-        total = src_cfg.num_hidden_layers
-        if layer_ids is None:
-            n = total if num_layers is None else int(num_layers)
-            if not 1 <= n <= total:
-                raise ValueError(f"`num_layers` must be in 1..{total} (the source has {total} layers), got {n}.")
-            layer_ids = list(range(n))
-        layer_ids = [int(i) for i in layer_ids]
-        if not layer_ids or any(not 0 <= i < total for i in layer_ids):
-            raise ValueError(f"`layer_ids` must be a non-empty list of indices in 0..{total - 1}, got {layer_ids}.")
-        backbone = getattr(model, "model", None)
-        if backbone is None or not hasattr(backbone, "layers") or not hasattr(backbone, "embed_tokens"):
-            raise ValueError(
-                f"{type(model).__name__} does not have the Llama/Qwen3 layout (`model.model.layers`, "
-                "`model.model.embed_tokens`); load the source with `AutoModelForCausalLM`."
-            )
-        first_attn = backbone.layers[0].self_attn
-        rope_parameters = getattr(src_cfg, "rope_parameters", None) or {
-            "rope_type": "default",
-            "rope_theta": float(getattr(src_cfg, "rope_theta", 10000.0)),
-        }
-        num_heads = src_cfg.num_attention_heads
-        config = D3DConfig(
-            vocab_size=src_cfg.vocab_size,
-            hidden_size=src_cfg.hidden_size,
-            intermediate_size=src_cfg.intermediate_size,
-            num_hidden_layers=len(layer_ids),
-            num_attention_heads=num_heads,
-            num_key_value_heads=getattr(src_cfg, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(src_cfg, "head_dim", None) or src_cfg.hidden_size // num_heads,
-            hidden_act=getattr(src_cfg, "hidden_act", "silu"),
-            max_position_embeddings=src_cfg.max_position_embeddings,
-            rms_norm_eps=src_cfg.rms_norm_eps,
-            rope_parameters=dict(rope_parameters),
-            attention_bias=bool(getattr(src_cfg, "attention_bias", False)),
-            mlp_bias=bool(getattr(src_cfg, "mlp_bias", False)),
-            use_qk_norm=hasattr(first_attn, "q_norm"),
-            tie_word_embeddings=bool(getattr(model.config, "tie_word_embeddings", False)),
-            block_size=block_size,
-            mask_token_id=mask_token_id,
-            source_model=source_model or getattr(model, "name_or_path", None) or None,
-            source_layer_ids=layer_ids,
-            target_model=target_model or source_model or getattr(model, "name_or_path", None) or None,
-            block_lora_rank=block_lora_rank,
-            block_lora_alpha=block_lora_alpha,
-            shares_target_weights=shares_target_weights,
-            bos_token_id=getattr(src_cfg, "bos_token_id", None),
-            eos_token_id=getattr(src_cfg, "eos_token_id", None),
-            pad_token_id=getattr(src_cfg, "pad_token_id", None),
-        )
-        ref = backbone.embed_tokens.weight
-        drafter = cls(config).to(device=ref.device, dtype=ref.dtype)
-
-        if shares_target_weights:
-            drafter.attach_target_weights(model)
-        else:
-            src_state = model.state_dict()
-            new_state = {}
-            for dst_idx, src_idx in enumerate(layer_ids):
-                prefix = f"model.layers.{src_idx}."
-                for key, value in src_state.items():
-                    if key.startswith(prefix):
-                        new_state[f"model.layers.{dst_idx}.{key[len(prefix) :]}"] = value
-            new_state["model.embed_tokens.weight"] = src_state["model.embed_tokens.weight"]
-            new_state["model.norm.weight"] = src_state["model.norm.weight"]
-            new_state["lm_head.weight"] = src_state.get("lm_head.weight", src_state["model.embed_tokens.weight"])
-            expected = {k for k in drafter.state_dict() if not drafter.is_drafter_specific(k)}
-            missing, unexpected = expected - set(new_state), set(new_state) - expected
-            if missing or unexpected:
-                raise ValueError(
-                    f"{type(model).__name__} has layers of an unsupported layout: missing {sorted(missing)[:6]}, "
-                    f"unexpected {sorted(unexpected)[:6]}. Supported: Llama-, Mistral- and Qwen3-style decoder "
-                    "layers."
-                )
-            drafter.load_state_dict(new_state, strict=False)
-            if config.tie_word_embeddings:
-                drafter.tie_weights()
-        if drafter.model.mask_embedding is not None:
-            with torch.no_grad():
-                drafter.model.mask_embedding.weight.copy_(ref.float().mean(dim=0).to(ref.dtype))
-        return drafter.eval()
+    def from_autoregressive(cls, model: PreTrainedModel, *args, **kwargs) -> D3DForDiffusionDrafting:
+        """Initialises a drafter from an autoregressive causal LM of the same tokenizer:
+        `initialization_d3d.from_autoregressive(cls, model, ...)` (keyword arguments `num_layers`, `layer_ids`,
+        `block_size`, `mask_token_id`, `source_model`, `target_model`, `block_lora_rank`, `block_lora_alpha`,
+        `shares_target_weights`; their meaning, the returns and the errors there)."""
+        return from_autoregressive(cls, model, *args, **kwargs)
 
 
 D3DConfig.register_for_auto_class()
@@ -1371,7 +880,11 @@ __all__ = [
     "D3DForDiffusionDrafting",
     "D3DModel",
     "D3DModelOutput",
+    "D3DPackedDraft",
     "D3DPreTrainedModel",
     "causal_attention_mask",
     "draft_attention_mask",
+    "kernel_attention_interface",
+    "packed_attention_mask",
+    "packed_metadata",
 ]

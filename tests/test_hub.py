@@ -1,6 +1,7 @@
 """Model cards, hub-ready folders and `push_to_hub` up to the upload call (no network)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from d3d_hf.hub import (
     result_from_benchmark,
 )
 
-MODELING_FILES = ("configuration_d3d.py", "modeling_d3d.py", "generation_d3d.py")
+MODELING_FILES = tuple(sorted(p.name for p in (Path(__file__).resolve().parents[1] / "modeling").glob("*_d3d.py")))
 RESULTS = [
     MeasuredResult(
         prompts="HumanEval (first 20)",

@@ -33,7 +33,7 @@ finally:
         os.environ["TRITON_INTERPRET"] = _saved_interpret
 
 from d3d_hf.kernels import packed_attention, packed_attention_naive, packed_attention_triton  # noqa: E402
-from d3d_hf.modeling.modeling_d3d import packed_metadata  # noqa: E402
+from d3d_hf.modeling.drafting_d3d import packed_metadata  # noqa: E402
 
 if INTERPRET and not _kernels.INTERPRETED:
     pytest.skip(
@@ -254,8 +254,9 @@ def test_triton_not_installed_raises(monkeypatch):
 
 
 def test_drafter_packed_pass_uses_the_kernel_and_matches_the_dense_mask(monkeypatch):
-    """`D3DForDiffusionDrafting.packed_draft_logits` through the kernel equals the dense-mask path."""
-    import d3d_hf.kernels
+    """`packed_draft_logits` through the registered kernel (`packed_attention_implementation="kernel"`; on CPU under
+    the interpreter) equals the dense-mask path; "auto" takes the kernel on CUDA only."""
+    from d3d_hf.modeling import drafting_d3d
     from d3d_hf.modeling.modeling_d3d import D3DCache
 
     from d3d_hf import D3DForDiffusionDrafting
@@ -267,16 +268,47 @@ def test_drafter_packed_pass_uses_the_kernel_and_matches_the_dense_mask(monkeypa
     cache = D3DCache()
     drafter.draft_logits(random_prompt(9).to(DEVICE), cache)
     chain = torch.tensor([[5, 6, 7]], device=DEVICE)
+    kernel, _ = drafting_d3d._registered_kernel()  # found through the d3d.packed_attention_kernels entry point
+    assert kernel is packed_attention_triton
     calls = []
-    kernel = d3d_hf.kernels.packed_attention
-    monkeypatch.setattr(d3d_hf.kernels, "packed_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    monkeypatch.setitem(
+        drafting_d3d._PACKED_ATTENTION_KERNEL, "kernel", lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    )
+    drafter.model.packed_attention_implementation = "kernel"
     with_kernel = drafter.packed_draft_logits(chain, cache, [0, 2, 3], [11, 12, 13])
     assert len(calls) == drafter.config.num_hidden_layers
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    if DEVICE == "cuda":
-        monkeypatch.setattr(d3d_hf.kernels, "triton_unavailable_reason", lambda device: "dense path for the test")
+    drafter.model.packed_attention_implementation = "auto"
+    drafter.packed_draft_logits(chain, cache, [0, 2, 3], [11, 12, 13])
+    assert len(calls) == (2 if DEVICE == "cuda" else 1) * drafter.config.num_hidden_layers
+    drafter.model.packed_attention_implementation = "dense"
     dense = drafter.packed_draft_logits(chain, cache, [0, 2, 3], [11, 12, 13])
-    assert len(calls) == drafter.config.num_hidden_layers
+    assert len(calls) == (2 if DEVICE == "cuda" else 1) * drafter.config.num_hidden_layers
     torch.testing.assert_close(with_kernel.logits, dense.logits, atol=1e-4, rtol=1e-4)
     for a, b in zip(with_kernel.key_states, dense.key_states, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kernel_reference_mask_equals_the_drafters_mask_rule(seed):
+    """The kernel's own `reference_mask` and the drafter's `packed_attention_mask` are written independently; they
+    must agree on random packed layouts (odd chain lengths, repeated and empty hypotheses, block size 1)."""
+    from d3d_hf.kernels import reference_mask
+    from d3d_hf.modeling.drafting_d3d import packed_attention_mask
+
+    gen = torch.Generator().manual_seed(seed)
+    chain = int(torch.randint(1, 12, (1,), generator=gen))
+    block = int(torch.randint(1, 6, (1,), generator=gen))
+    hypotheses = torch.randint(0, chain + 1, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen)
+    meta = packed_metadata(chain, hypotheses.tolist(), block)
+    prefix = int(torch.randint(0, 7, (1,), generator=gen))
+    assert torch.equal(reference_mask(*meta, prefix), packed_attention_mask(*meta, prefix))
+
+
+def test_packed_attention_implementation_refuses_what_cannot_run():
+    from d3d_hf.modeling.drafting_d3d import resolve_packed_attention_kernel
+
+    with pytest.raises(ValueError, match="packed_attention_implementation"):
+        resolve_packed_attention_kernel("triton", torch.device(DEVICE), 1)
+    with pytest.raises(RuntimeError, match="batch"):
+        resolve_packed_attention_kernel("kernel", torch.device(DEVICE), 2)
+    assert resolve_packed_attention_kernel("dense", torch.device(DEVICE), 1) is None

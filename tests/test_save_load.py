@@ -103,18 +103,25 @@ def test_load_drafter_errors(tmp_path):
         load_drafter(str(tmp_path / "llama"))
 
 
-def test_shipped_drafter_bundle_matches_the_modeling_sources():
-    """The packaged checkpoint carries copies of modeling/ (for trust_remote_code); they must not drift."""
+def test_shipped_drafter_holds_no_bundle_copy_and_exports_the_current_bundle(tmp_path):
+    """Inside the package the shipped checkpoint is weights, config and card (the registered model_type loads it);
+    what a user downloads is an export, which must carry the current bundle, file for file."""
     from pathlib import Path
 
     from d3d_hf.drafters import KNOWN_DRAFTERS
 
     root = Path(__file__).resolve().parents[1] / "modeling"
+    bundle = sorted(p.name for p in root.glob("*_d3d.py"))
+    assert {"configuration_d3d.py", "modeling_d3d.py", "generation_d3d.py", "drafting_d3d.py"} <= set(bundle)
     for name, folder in KNOWN_DRAFTERS.items():
-        for source in ("configuration_d3d.py", "modeling_d3d.py", "generation_d3d.py"):
-            assert (folder / source).read_text() == (root / source).read_text(), (
-                f"{name}/{source} is stale: re-run examples/ship_smollm2_drafter.py"
-            )
+        assert not list(folder.glob("*.py")), f"{name} carries code: re-run examples/ship_smollm2_drafter.py"
+        assert "auto_map" not in json.loads((folder / "config.json").read_text())
+        exported = tmp_path / name
+        load_drafter(name).save_pretrained(exported)
+        assert sorted(p.name for p in exported.glob("*.py")) == bundle
+        for source in bundle:
+            assert (exported / source).read_text() == (root / source).read_text(), source
+        assert json.loads((exported / "config.json").read_text())["auto_map"]["AutoModel"].startswith("modeling_d3d.")
 
 
 def test_shipped_drafter_loads_and_decodes_losslessly(smollm2):

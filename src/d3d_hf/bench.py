@@ -23,15 +23,17 @@ What is measured, and how honestly:
   verification round (the first round includes the prompt prefill).
 - **tau**: new tokens / rounds, bonus token included.
 - **draft / verify time per round** (speculative methods): the candidate generator of each call is instrumented
-  (`RoundRecorder`): *draft* is the wall time inside `get_candidates` (pld: the n-gram lookup; ar-assist: the
-  assistant's forwards, including its own prompt prefill in round 1; d3d: the packed draft pass, read from the
-  drafter's own `last_generation_stats`, which times the same span); *verify* is the time from the end of
+  (`RoundRecorder`) with the bundle's `RoundClock`, or its own clock is read when it keeps one (D3D's candidate
+  generator does: one clock per round, never two): *draft* is the wall time inside `get_candidates` (pld: the
+  n-gram lookup; ar-assist: the assistant's forwards, including its own prompt prefill in round 1; d3d: the draft
+  pass); *verify* is the time from the end of
   `get_candidates` to `update_candidate_strategy`, i.e. the target's forward over the candidates plus
   transformers' acceptance bookkeeping (round 1 includes the target's prefill). Not in either: the work
   transformers does between rounds after `update_candidate_strategy` (model-kwargs update, stopping criteria);
   it is in tokens/s but not in draft + verify. For `target` no split is measured (0).
 - **acceptance lengths**: tokens committed per round (`num_matches + 1`, after transformers' eos/length crop).
-- **hit rate** (methods whose stats have `hits`, e.g. an asynchronous drafter): hits / rounds.
+- **hit rate** (methods whose stats have `hits`, e.g. an asynchronous drafter): hits / rounds that followed a
+  packed pass (`hits / (hits + reused + misses)`, the definition of `D3DGenerationStats.hit_rate`).
 - **lossless match**: the output equals the `target` output token for token.
 
 A new method is one `BenchMethod` passed to `register_method`: how to call `generate` (extra keyword arguments)
@@ -53,7 +55,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .modeling.generation_d3d import default_worker_threads
+from .modeling.runtime_d3d import RoundClock, default_worker_threads
 from .prompts import Prompt, encode_prompt
 
 
@@ -68,6 +70,8 @@ class RoundStats:
         drafted_tokens (`int`): draft tokens proposed to the target.
         hits (`int`, *optional*): rounds whose block was pre-drafted (asynchronous drafting); `None` for methods
             without the notion.
+        packed_rounds (`int`, *optional*): rounds that followed a packed pass (hits, reused and missed blocks), the
+            denominator of the hit rate; `None` with `hits`.
     """
 
     rounds: int
@@ -76,6 +80,7 @@ class RoundStats:
     acceptance_lengths: list[int] = field(default_factory=list)
     drafted_tokens: int = 0
     hits: int | None = None
+    packed_rounds: int | None = None
 
 
 class RoundRecorder:
@@ -84,38 +89,43 @@ class RoundRecorder:
     `with recorder.attach(target): target.generate(...)` makes the target's `_get_candidate_generator` (whatever
     it resolves to, including the D3D hook) return its usual generator with `get_candidates` and
     `update_candidate_strategy` wrapped (instance attributes, so `isinstance` checks still see the original
-    class). After the call, `stats()` holds the rounds of that call. Outside `attach` nothing is changed.
+    class). Rounds are timed by one `RoundClock`: the generator's own when it keeps one (`round_clock`, as
+    `D3DCandidateGenerator` does), else the recorder's. After the call, `stats()` holds the rounds of that call.
+    Outside `attach` nothing is changed.
     """
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        self.draft_seconds: list[float] = []
-        self.verify_seconds: list[float] = []
+        self.clock = RoundClock()
         self.drafted: list[int] = []
         self.acceptance_lengths: list[int] = []
-        self._draft_end: float | None = None
 
     def _instrument(self, generator):
+        times_itself = isinstance(getattr(generator, "round_clock", None), RoundClock)
+        if times_itself:  # the generator keeps the round clock (D3D): read it instead of timing twice
+            self.clock = generator.round_clock
+        clock = self.clock
         get_candidates, update = generator.get_candidates, generator.update_candidate_strategy
 
-        def timed_get_candidates(input_ids, *args, **kwargs):
-            start = time.perf_counter()
+        def counted_get_candidates(input_ids, *args, **kwargs):
+            if not times_itself:
+                clock.start_draft()
             out = get_candidates(input_ids, *args, **kwargs)
-            self._draft_end = time.perf_counter()
-            self.draft_seconds.append(self._draft_end - start)
+            if not times_itself:
+                clock.end_draft()
             self.drafted.append(int(out[0].shape[1] - input_ids.shape[1]))
             return out
 
-        def timed_update(input_ids, scores, num_matches, *args, **kwargs):
-            if self._draft_end is not None:
-                self.verify_seconds.append(time.perf_counter() - self._draft_end)
+        def counted_update(input_ids, scores, num_matches, *args, **kwargs):
+            if not times_itself:
+                clock.end_verify()
             self.acceptance_lengths.append(int(num_matches) + 1)
             return update(input_ids, scores, num_matches, *args, **kwargs)
 
-        generator.get_candidates = timed_get_candidates
-        generator.update_candidate_strategy = timed_update
+        generator.get_candidates = counted_get_candidates
+        generator.update_candidate_strategy = counted_update
         return generator
 
     @contextmanager
@@ -141,8 +151,8 @@ class RoundRecorder:
         """The recorded rounds as `RoundStats` (no hits)."""
         return RoundStats(
             rounds=len(self.acceptance_lengths),
-            draft_seconds=sum(self.draft_seconds),
-            verify_seconds=sum(self.verify_seconds),
+            draft_seconds=sum(self.clock.draft_seconds),
+            verify_seconds=sum(self.clock.verify_seconds),
             acceptance_lengths=list(self.acceptance_lengths),
             drafted_tokens=sum(self.drafted[: len(self.acceptance_lengths)]),
         )
@@ -178,7 +188,11 @@ class BenchMethod:
 
 def d3d_round_stats(stats) -> RoundStats:
     """`RoundStats` from a D3D drafter's `last_generation_stats` (`hits` is read when the call was asynchronous)."""
-    hits = getattr(stats, "hits", None) if getattr(stats, "asynchronous", True) else None
+    asynchronous = getattr(stats, "asynchronous", True)
+    hits = getattr(stats, "hits", None) if asynchronous else None
+    packed_rounds = None
+    if hits is not None:
+        packed_rounds = int(hits) + int(getattr(stats, "reused", 0)) + int(getattr(stats, "misses", 0))
     return RoundStats(
         rounds=stats.rounds,
         draft_seconds=sum(stats.draft_seconds),
@@ -186,6 +200,7 @@ def d3d_round_stats(stats) -> RoundStats:
         acceptance_lengths=list(stats.acceptance_lengths),
         drafted_tokens=int(getattr(stats, "drafted_tokens", 0)),
         hits=None if hits is None else int(hits),
+        packed_rounds=packed_rounds,
     )
 
 
@@ -340,6 +355,7 @@ class PromptRun:
         acceptance_lengths (`list[int]`): tokens committed per round (speculative methods).
         drafted_tokens (`int`): draft tokens proposed.
         hits (`int`, *optional*): pre-drafted rounds (methods with a hit rate), else `None`.
+        packed_rounds (`int`, *optional*): rounds that followed a packed pass (the hit rate's denominator).
     """
 
     prompt_id: str
@@ -354,6 +370,7 @@ class PromptRun:
     acceptance_lengths: list[int] = field(default_factory=list)
     drafted_tokens: int = 0
     hits: int | None = None
+    packed_rounds: int | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -368,8 +385,8 @@ def summarize(runs: Sequence[PromptRun], reference: Sequence[PromptRun]) -> dict
         `speedup` (aggregate tokens/s over the reference's aggregate), `median_speedup` (median over prompts of the
         per-prompt speed-up), `tau` (all new tokens / all target forwards), `lossless_match` (fraction of prompts
         whose output equals the reference's), `rounds`, `new_tokens`, `seconds`, the mean per-round `draft_ms` and
-        `verify_ms`, `drafted_tokens`, and `hit_rate` (all hits / all rounds of the runs that report hits; `None`
-        when none does).
+        `verify_ms`, `drafted_tokens`, and `hit_rate` (all hits / all rounds that followed a packed pass, over the
+        runs that report hits; `None` when none does).
 
     Raises:
         ValueError: if `runs` is empty or does not line up with `reference`.
@@ -389,7 +406,7 @@ def summarize(runs: Sequence[PromptRun], reference: Sequence[PromptRun]) -> dict
         if ref.tokens_per_second > 0
     ]
     with_hits = [r for r in runs if r.hits is not None]
-    hit_rounds = sum(r.rounds for r in with_hits)
+    hit_rounds = sum(r.rounds if r.packed_rounds is None else r.packed_rounds for r in with_hits)
     return {
         "prompts": len(runs),
         "new_tokens": tokens,
@@ -522,6 +539,7 @@ def run_benchmark(
                 acceptance_lengths=list(stats.acceptance_lengths),
                 drafted_tokens=stats.drafted_tokens,
                 hits=stats.hits,
+                packed_rounds=stats.packed_rounds,
             )
             runs[m].append(run)
             per_method[m] = run

@@ -8,6 +8,10 @@ Two measurements on the machine at hand (same dtype and threads as the benchmark
   block `[anchor, MASK x (B-1)]` plus `T` further committed tokens that extend the drafter's cache in the same
   pass, on top of a drafter cache of `prefix_length` tokens, for `T` in `extra_tokens`.
 
+- `t_packed(L)`: one packed successor-drafting pass (`D3DForDiffusionDrafting.packed_draft_logits`) of packed
+  length `L = T + (B - 1) + |H| * B`: a chain of `T` committed tokens and `B - 1` drafts, then one successor block
+  per hypothesis, for `|H|` in `packed_hypotheses` and `T` in `packed_extra_tokens`.
+
 Times are medians over `repeats` calls after `warmup` calls; in between, both caches are cropped back to the prefix.
 Token values are random (timing does not depend on them). Between measured points times are interpolated linearly,
 beyond the last point extrapolated from the last two.
@@ -21,10 +25,11 @@ tokens committed in a round besides the anchor, which the next draft pass ingest
 
 - asynchronous D3D with hit rate `h` (`async_speedup`; docs/DESIGN.md section 2): while the target verifies a block,
   the drafter runs one packed pass of length `L_pack = (B - 1) + |H| * B + T` (the shared draft chain, one
-  successor block per hypothesis; timed as a draft pass of the same packed length). A hit means the next block
-  is ready; a miss needs a synchronous draft first::
+  successor block per hypothesis; timed as the packed pass itself, `t_packed`; cost models recorded before
+  `t_packed` was measured fall back to a draft pass of the same length). A hit means the next block is ready; a
+  miss needs a synchronous draft first::
 
-      S_async = tau * t_target(1) / (max(t_target(B), t_draft(L_pack)) + (1 - h) * t_draft(B + T))
+      S_async = tau * t_target(1) / (max(t_target(B), t_packed(L_pack)) + (1 - h) * t_draft(B + T))
 
   This assumes perfect overlap (drafter and target on separate compute: a CUDA side stream or a second device);
   on a CPU where both share the cores it is an upper bound.
@@ -48,6 +53,8 @@ import torch
 
 DEFAULT_VERIFY_LENGTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 DEFAULT_EXTRA_TOKENS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 48)
+DEFAULT_PACKED_HYPOTHESES = (1, 2, 4, 8, 16)
+DEFAULT_PACKED_EXTRA_TOKENS = (0, 2, 4)
 
 
 def _interpolate(points: Mapping[int, float], x: float) -> float:
@@ -80,6 +87,8 @@ class CostModel:
         draft_ms (`dict[int, float]`): packed length `B + T` -> median draft-pass time (empty without a drafter).
         block_size (`int`, *optional*): the drafter's block size `B` when `draft_ms` was measured.
         settings (`dict`): how it was measured (repeats, dtype, threads, ...).
+        packed_ms (`dict[int, float]`): packed length `T + (B - 1) + |H| * B` -> median packed-pass time (empty
+            without a drafter, and in cost models recorded before it was measured).
     """
 
     prefix_length: int
@@ -87,6 +96,7 @@ class CostModel:
     draft_ms: dict[int, float] = field(default_factory=dict)
     block_size: int | None = None
     settings: dict[str, Any] = field(default_factory=dict)
+    packed_ms: dict[int, float] = field(default_factory=dict)
 
     def t_target(self, tokens: float) -> float:
         """Target forward time (seconds) for `tokens` new tokens."""
@@ -102,6 +112,17 @@ class CostModel:
             raise ValueError("This cost model has no drafter measurements (measure it with a drafter).")
         return _interpolate(self.draft_ms, packed_length) / 1e3
 
+    def t_packed(self, packed_length: float) -> float:
+        """Packed-pass time (seconds) at packed length `packed_length` (a draft pass of that length when no packed
+        pass was measured).
+
+        Raises:
+            ValueError: if no drafter was measured.
+        """
+        if not self.packed_ms:
+            return self.t_draft(packed_length)
+        return _interpolate(self.packed_ms, packed_length) / 1e3
+
     def _block(self, block_size: int | None) -> int:
         block = block_size or self.block_size
         if not block:
@@ -115,7 +136,7 @@ class CostModel:
         return tau * self.t_target(1) / (self.t_draft(b + extra) + self.t_target(b))
 
     def async_speedup(self, tau: float, hit_rate: float, block_size: int | None = None, hypotheses: int = 1) -> float:
-        """`S_async = tau * t_target(1) / (max(t_target(B), t_draft(L_pack)) + (1 - h) * t_draft(B + tau - 1))`
+        """`S_async = tau * t_target(1) / (max(t_target(B), t_packed(L_pack)) + (1 - h) * t_draft(B + tau - 1))`
         with `L_pack = (B - 1) + hypotheses * B + tau - 1`.
 
         Raises:
@@ -128,7 +149,7 @@ class CostModel:
         b = self._block(block_size)
         extra = max(tau - 1.0, 0.0)
         packed = (b - 1) + hypotheses * b + extra
-        round_time = max(self.t_target(b), self.t_draft(packed)) + (1.0 - hit_rate) * self.t_draft(b + extra)
+        round_time = max(self.t_target(b), self.t_packed(packed)) + (1.0 - hit_rate) * self.t_draft(b + extra)
         return tau * self.t_target(1) / round_time
 
     def rounds_speedup(self, tau: float, draft_seconds_per_round: float, drafted_per_round: float) -> float:
@@ -140,6 +161,7 @@ class CostModel:
         out = asdict(self)
         out["target_ms"] = {str(k): v for k, v in self.target_ms.items()}
         out["draft_ms"] = {str(k): v for k, v in self.draft_ms.items()}
+        out["packed_ms"] = {str(k): v for k, v in self.packed_ms.items()}
         return out
 
     @classmethod
@@ -151,6 +173,7 @@ class CostModel:
             draft_ms={int(k): float(v) for k, v in data.get("draft_ms", {}).items()},
             block_size=data.get("block_size"),
             settings=dict(data.get("settings", {})),
+            packed_ms={int(k): float(v) for k, v in data.get("packed_ms", {}).items()},
         )
 
 
@@ -216,6 +239,20 @@ def measure_target(
 
 
 @torch.inference_mode()
+def _prefilled_drafter_cache(drafter, prefix_length: int, block: int, generator: torch.Generator, target):
+    """Attaches the target when needed and returns a drafter cache of `prefix_length` random committed tokens."""
+    from .modeling import D3DCache
+
+    if drafter.config.shares_target_weights and drafter._attached_target is None:
+        if target is None:
+            raise ValueError("This drafter shares its target's weights: pass `target=` to attach them.")
+        drafter.attach_target_weights(target)
+    device = drafter.model.embed_tokens.weight.device
+    cache = D3DCache()
+    drafter.draft_logits(_random_ids(drafter.config.vocab_size, prefix_length, generator, device), cache, block - 1)
+    return cache
+
+
 def measure_drafter(
     drafter,
     prefix_length: int = 256,
@@ -242,20 +279,13 @@ def measure_drafter(
     Raises:
         ValueError: for a drafter that shares its target's weights without `target`, or bad lengths.
     """
-    from .modeling import D3DCache
-
     if prefix_length < 1 or repeats < 1 or any(t < 0 for t in extra_tokens):
         raise ValueError("`prefix_length` and `repeats` must be >= 1 and every extra-token count >= 0.")
-    if drafter.config.shares_target_weights and drafter._attached_target is None:
-        if target is None:
-            raise ValueError("This drafter shares its target's weights: pass `target=` to attach them.")
-        drafter.attach_target_weights(target)
     block = int(block_size or drafter.config.block_size)
     device = drafter.model.embed_tokens.weight.device
     vocab = drafter.config.vocab_size
     g = torch.Generator().manual_seed(seed)
-    cache = D3DCache()
-    drafter.draft_logits(_random_ids(vocab, prefix_length, g, device), cache, num_masks=block - 1)
+    cache = _prefilled_drafter_cache(drafter, prefix_length, block, g, target)
     out = {}
     for extra in extra_tokens:
         ids = _random_ids(vocab, extra + 1, g, device)
@@ -265,6 +295,57 @@ def measure_drafter(
             warmup,
             lambda: cache.crop(prefix_length),
         )
+    return out
+
+
+def measure_packed_pass(
+    drafter,
+    prefix_length: int = 256,
+    hypotheses: Sequence[int] = DEFAULT_PACKED_HYPOTHESES,
+    extra_tokens: Sequence[int] = DEFAULT_PACKED_EXTRA_TOKENS,
+    repeats: int = 5,
+    warmup: int = 1,
+    seed: int = 0,
+    target=None,
+) -> dict[int, float]:
+    """Median time (ms) of one packed successor-drafting pass (`packed_draft_logits`, the pass the asynchronous
+    engine runs) on a drafter cache of `prefix_length` tokens.
+
+    The chain holds `T` committed tokens and `B - 1` drafts; hypothesis `h` assumes `T + min(h, B - 1)` chain tokens
+    committed (the attention pattern does not change the dense pass's cost; the kernel's differs little).
+
+    Args:
+        drafter (`D3DForDiffusionDrafting`): the drafter.
+        prefix_length (`int`, defaults to 256): committed tokens in the drafter's cache.
+        hypotheses (`Sequence[int]`): the numbers of successor blocks `|H|` to time (each in 1..block size).
+        extra_tokens (`Sequence[int]`): the `T` to time.
+        repeats, warmup, seed, target: as in `measure_drafter`.
+
+    Returns:
+        `dict[int, float]`: packed length `T + (B - 1) + |H| * B` -> milliseconds (the later of two equal lengths
+        wins).
+
+    Raises:
+        ValueError: for a drafter that shares its target's weights without `target`, or bad counts.
+    """
+    block = int(drafter.config.block_size)
+    if prefix_length < 1 or repeats < 1 or any(t < 0 for t in extra_tokens) or any(h < 1 for h in hypotheses):
+        raise ValueError("`prefix_length`, `repeats` and hypothesis counts must be >= 1, extra-token counts >= 0.")
+    device = drafter.model.embed_tokens.weight.device
+    g = torch.Generator().manual_seed(seed)
+    cache = _prefilled_drafter_cache(drafter, prefix_length, block, g, target)
+    out = {}
+    for extra in extra_tokens:
+        chain = _random_ids(drafter.config.vocab_size, int(extra) + block - 1, g, device)
+        for count in hypotheses:
+            lengths = [int(extra) + min(h, block - 1) for h in range(int(count))]
+            guesses = [int(t) for t in _random_ids(drafter.config.vocab_size, int(count), g, device)[0]]
+            out[int(extra) + block - 1 + int(count) * block] = _median_ms(
+                lambda c=chain, n=lengths, b=guesses: drafter.packed_draft_logits(c, cache, n, b),
+                repeats,
+                warmup,
+                lambda: None,  # the packed pass leaves the cache as it was
+            )
     return out
 
 
@@ -280,17 +361,18 @@ def measure_cost_model(
 ) -> CostModel:
     """Measures `t_target` and (with a drafter) `t_draft`; see `measure_target` and `measure_drafter`."""
     target_ms = measure_target(target, prefix_length, verify_lengths, repeats, warmup)
-    draft_ms, block = {}, None
+    draft_ms, packed_ms, block = {}, {}, None
     if drafter is not None:
         block = int(block_size or drafter.config.block_size)
         draft_ms = measure_drafter(drafter, prefix_length, extra_tokens, block, repeats, warmup, target=target)
+        packed_ms = measure_packed_pass(drafter, prefix_length, repeats=repeats, warmup=warmup, target=target)
     settings = {
         "repeats": repeats,
         "warmup": warmup,
         "dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
         "torch_threads": torch.get_num_threads(),
     }
-    return CostModel(prefix_length, target_ms, draft_ms, block, settings)
+    return CostModel(prefix_length, target_ms, draft_ms, block, settings, packed_ms)
 
 
 def predict_speedups(
@@ -345,6 +427,9 @@ def format_cost_model(cost: CostModel, taus: Sequence[float] = (), hit_rates: Se
             "",
         ]
         lines += ["| B + T | ms |", "|---|---|"] + [f"| {n} | {ms:.2f} |" for n, ms in sorted(cost.draft_ms.items())]
+    if cost.packed_ms:
+        lines += ["", f"Packed pass of length T + (B - 1) + H * B (H hypotheses; cache of {cost.prefix_length}):", ""]
+        lines += ["| length | ms |", "|---|---|"] + [f"| {n} | {ms:.2f} |" for n, ms in sorted(cost.packed_ms.items())]
     if taus and cost.draft_ms:
         header = "| tau | sync speed-up |" + "".join(f" async h={h:.2f} |" for h in hit_rates)
         lines += ["", header, "|---|---|" + "---|" * len(hit_rates)]
@@ -360,6 +445,7 @@ __all__ = [
     "format_cost_model",
     "measure_cost_model",
     "measure_drafter",
+    "measure_packed_pass",
     "measure_target",
     "predict_speedups",
 ]
