@@ -55,6 +55,7 @@ from tqdm.auto import tqdm
 
 from .modeling.generation_d3d import default_worker_threads
 from .prompts import Prompt, encode_prompt
+from .utils import library_versions
 
 
 @dataclass
@@ -573,12 +574,11 @@ def merge_results(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def environment_info() -> dict[str, Any]:
     """Versions, machine and thread count, for the results file (docs/DESIGN.md section 6: always record these)."""
-    import transformers
-
+    versions = library_versions("torch", "transformers")
     return {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
+        "torch": versions["torch"],
+        "transformers": versions["transformers"],
+        "python": versions["python"],
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),

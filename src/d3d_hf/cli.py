@@ -183,8 +183,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _init_drafter(args) -> int:
-    from .drafters import D3DForDiffusionDrafting, ensure_writable_dir
+    from .drafters import D3DForDiffusionDrafting
     from .targets import load_target, resolve_model
+    from .utils import ensure_writable_dir
 
     output = ensure_writable_dir(args.output, args.overwrite)
     layer_ids = args.layer_ids
@@ -303,7 +304,7 @@ def _bench(args) -> int:
     _check_output_file(output, args.overwrite)
     output_dir = Path(args.output_dir) if args.output_dir else None
     if output_dir is not None:
-        from .drafters import ensure_writable_dir
+        from .utils import ensure_writable_dir
 
         ensure_writable_dir(output_dir, args.overwrite)
         _check_output_file(output_dir / "results.json", True, "--output-dir")
@@ -397,8 +398,8 @@ def _bench(args) -> int:
 
 
 def _report(args) -> int:
-    from .drafters import ensure_writable_dir
     from .report import write_report
+    from .utils import ensure_writable_dir
 
     results = []
     for path in args.results:
@@ -433,7 +434,8 @@ def _cost_model(args) -> int:
 
 def _export_causal_lm(args) -> int:
     from .convert import export_causal_lm
-    from .drafters import ensure_writable_dir, load_drafter
+    from .drafters import load_drafter
+    from .utils import ensure_writable_dir
 
     output = ensure_writable_dir(args.output, args.overwrite)
     drafter = load_drafter(args.drafter, dtype=args.dtype)
@@ -571,7 +573,7 @@ def _push(args) -> int:
 
 def _convert(args) -> int:
     from .convert import convert_autoregressive_checkpoint, load_published_d3d_checkpoint
-    from .drafters import ensure_writable_dir
+    from .utils import ensure_writable_dir
 
     layer_ids = args.layer_ids
     if args.published_d3d:
@@ -619,9 +621,9 @@ def _prune(args) -> int:
     from dataclasses import asdict
 
     from .data import load_prompt_sources
-    from .drafters import ensure_writable_dir
     from .prompts import encode_prompt
     from .pruning import PATH_FILE, PLOT_FILE, STATE_FILE, plot_pruning_path, prune_drafter
+    from .utils import ensure_writable_dir
 
     output = Path(args.output)
     if not (output / STATE_FILE).exists():  # a folder with a state is resumed; anything else needs --overwrite

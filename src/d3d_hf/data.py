@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import importlib.metadata
 import inspect
 import json
 import os
@@ -53,6 +52,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .prompts import Prompt, encode_prompt, load_prompts
+from .utils import library_versions, write_json_atomic
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -406,16 +406,6 @@ _RESUME_KEYS = (
 (more prompts can be added; the batch size only changes padding numerics) and are recorded per run."""
 
 
-def _versions() -> dict:
-    out = {"python": platform.python_version()}
-    for dist in ("torch", "transformers", "datasets", "tokenizers", "d3d-hf"):
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
-
-
 def _eos_ids(target, tokenizer) -> list[int]:
     eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     if eos is None:
@@ -438,12 +428,6 @@ def _pad_id(target, tokenizer, eos_ids: list[int]) -> int:
 
 def _utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _write_json_atomic(path: Path, obj: object) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _read_shards(shards: Path) -> tuple[dict[str, dict], int]:
@@ -700,7 +684,7 @@ def generate_dataset(
         "already_done": len(prompts) - len(pending),
         "torch_threads": torch.get_num_threads(),
         "device": str(target.device),
-        "versions": _versions(),
+        "versions": library_versions("torch", "transformers", "datasets", "tokenizers", "d3d-hf"),
     }
     uses_stdlib = any(p.id.startswith("stdlib/") for p in prompts)
     record = {
@@ -713,7 +697,7 @@ def generate_dataset(
         "versions": run["versions"],
         "runs": [*(old or {}).get("runs", []), run],
     }
-    _write_json_atomic(output_dir / SETTINGS_FILE, record)
+    write_json_atomic(output_dir / SETTINGS_FILE, record)
 
     encoded = {p.id: encode_prompt(tokenizer, p)[0].tolist() for p in pending}
     order = sorted(range(len(pending)), key=lambda i: (len(encoded[pending[i].id]), i))
@@ -766,7 +750,7 @@ def generate_dataset(
         seconds=round(elapsed, 1),
         new_tokens_per_second=round(new_tokens / elapsed, 2) if elapsed > 0 and pending else None,
     )
-    _write_json_atomic(output_dir / SETTINGS_FILE, record)
+    write_json_atomic(output_dir / SETTINGS_FILE, record)
 
     rows = [done[p.id] for p in prompts]
     dataset = datasets.Dataset.from_list(rows)
