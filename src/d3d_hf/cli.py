@@ -281,25 +281,28 @@ def _load_assistant(name: str, dtype: str, tokenizer, target):
 
 
 def _bench(args) -> int:
-    from .bench import METHODS, environment_info, format_table, run_benchmark
+    from .bench import METHODS, environment_info, format_table, missing_resource, run_benchmark, unknown_methods
     from .prompts import load_prompts
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = unknown_methods(methods)
     if unknown:
         raise ValueError(f"unknown --methods {unknown}; choose from {list(METHODS)}")
-    async_options = {"--num-hypotheses": args.num_hypotheses, "--reuse-on-miss": args.reuse_on_miss,
-                     "--worker-threads": args.worker_threads}
+    async_options = {
+        "--num-hypotheses": args.num_hypotheses,
+        "--reuse-on-miss": args.reuse_on_miss,
+        "--worker-threads": args.worker_threads,
+    }
     unused = [name for name, value in async_options.items() if value not in (None, False)]
     if unused and "d3d-async" not in methods:
         raise ValueError(f"{', '.join(unused)} only apply to method d3d-async: add it to --methods or drop them")
-    given = {"drafter": args.drafter, "assistant": args.assistant}
-    for m in methods:
-        for needed in METHODS[m].requires:
-            if needed not in given:
-                raise ValueError(f"method {m} needs a {needed}, which the command line cannot give")
-            if not given[needed]:
-                raise ValueError(f"method {m} needs --{needed}")
+    given = {"drafter": args.drafter or None, "assistant": args.assistant or None}  # the resources flags give
+    missing = missing_resource(methods, given)
+    if missing is not None:
+        m, needed = missing
+        if needed not in given:
+            raise ValueError(f"method {m} needs a {needed}, which the command line cannot give")
+        raise ValueError(f"method {m} needs --{needed}")
     output = Path(args.output) if args.output else None
     _check_output_file(output, args.overwrite)
     output_dir = Path(args.output_dir) if args.output_dir else None
