@@ -296,7 +296,7 @@ def _bench(args) -> int:
     unused = [name for name, value in async_options.items() if value not in (None, False)]
     if unused and "d3d-async" not in methods:
         raise ValueError(f"{', '.join(unused)} only apply to method d3d-async: add it to --methods or drop them")
-    given = {"drafter": args.drafter or None, "assistant": args.assistant or None}  # the resources flags give
+    given = {"drafter": args.drafter or None, "assistant": args.assistant or None}  # what the flags can give
     missing = missing_resource(methods, given)
     if missing is not None:
         m, needed = missing
