@@ -57,6 +57,7 @@ from tqdm.auto import tqdm
 
 from .modeling.runtime_d3d import RoundClock, default_worker_threads
 from .prompts import Prompt, encode_prompt
+from .utils import library_versions
 
 
 @dataclass
@@ -425,15 +426,31 @@ def summarize(runs: Sequence[PromptRun], reference: Sequence[PromptRun]) -> dict
     }
 
 
-def _check_methods(methods: Sequence[str], resources: Mapping[str, Any]) -> list[str]:
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"Unknown method(s) {unknown}; choose from {list(METHODS)}.")
+def unknown_methods(methods: Sequence[str]) -> list[str]:
+    """The names in `methods` that are not registered in `METHODS`, in the order given."""
+    return [m for m in methods if m not in METHODS]
+
+
+def missing_resource(methods: Sequence[str], resources: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first `(method, resource)` such that a (registered) method of `methods` requires a resource that
+    `resources` lacks (absent or `None`), in the order of `methods` and of each method's `requires`; `None` when
+    every method has what it needs."""
     for m in methods:
         for name in METHODS[m].requires:
             if resources.get(name) is None:
-                hint = f" (`{RESOURCE_HINTS[name]}`)" if name in RESOURCE_HINTS else ""
-                raise ValueError(f"Method `{m}` needs a {name}{hint}.")
+                return m, name
+    return None
+
+
+def _check_methods(methods: Sequence[str], resources: Mapping[str, Any]) -> list[str]:
+    unknown = unknown_methods(methods)
+    if unknown:
+        raise ValueError(f"Unknown method(s) {unknown}; choose from {list(METHODS)}.")
+    missing = missing_resource(methods, resources)
+    if missing is not None:
+        m, name = missing
+        hint = f" (`{RESOURCE_HINTS[name]}`)" if name in RESOURCE_HINTS else ""
+        raise ValueError(f"Method `{m}` needs a {name}{hint}.")
     return ["target"] + [m for m in dict.fromkeys(methods) if m != "target"]
 
 
@@ -591,12 +608,11 @@ def merge_results(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def environment_info() -> dict[str, Any]:
     """Versions, machine and thread count, for the results file (docs/DESIGN.md section 6: always record these)."""
-    import transformers
-
+    versions = library_versions("torch", "transformers")
     return {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
+        "torch": versions["torch"],
+        "transformers": versions["transformers"],
+        "python": versions["python"],
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
@@ -649,7 +665,9 @@ __all__ = [
     "environment_info",
     "format_table",
     "merge_results",
+    "missing_resource",
     "register_method",
     "run_benchmark",
     "summarize",
+    "unknown_methods",
 ]

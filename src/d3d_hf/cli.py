@@ -183,8 +183,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _init_drafter(args) -> int:
-    from .drafters import D3DForDiffusionDrafting, ensure_writable_dir
+    from .drafters import D3DForDiffusionDrafting
     from .targets import load_target, resolve_model
+    from .utils import ensure_writable_dir
 
     output = ensure_writable_dir(args.output, args.overwrite)
     layer_ids = args.layer_ids
@@ -280,30 +281,33 @@ def _load_assistant(name: str, dtype: str, tokenizer, target):
 
 
 def _bench(args) -> int:
-    from .bench import METHODS, environment_info, format_table, run_benchmark
+    from .bench import METHODS, environment_info, format_table, missing_resource, run_benchmark, unknown_methods
     from .prompts import load_prompts
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = unknown_methods(methods)
     if unknown:
         raise ValueError(f"unknown --methods {unknown}; choose from {list(METHODS)}")
-    async_options = {"--num-hypotheses": args.num_hypotheses, "--reuse-on-miss": args.reuse_on_miss,
-                     "--worker-threads": args.worker_threads}
+    async_options = {
+        "--num-hypotheses": args.num_hypotheses,
+        "--reuse-on-miss": args.reuse_on_miss,
+        "--worker-threads": args.worker_threads,
+    }
     unused = [name for name, value in async_options.items() if value not in (None, False)]
     if unused and "d3d-async" not in methods:
         raise ValueError(f"{', '.join(unused)} only apply to method d3d-async: add it to --methods or drop them")
-    given = {"drafter": args.drafter, "assistant": args.assistant}
-    for m in methods:
-        for needed in METHODS[m].requires:
-            if needed not in given:
-                raise ValueError(f"method {m} needs a {needed}, which the command line cannot give")
-            if not given[needed]:
-                raise ValueError(f"method {m} needs --{needed}")
+    given = {"drafter": args.drafter or None, "assistant": args.assistant or None}  # what the flags can give
+    missing = missing_resource(methods, given)
+    if missing is not None:
+        m, needed = missing
+        if needed not in given:
+            raise ValueError(f"method {m} needs a {needed}, which the command line cannot give")
+        raise ValueError(f"method {m} needs --{needed}")
     output = Path(args.output) if args.output else None
     _check_output_file(output, args.overwrite)
     output_dir = Path(args.output_dir) if args.output_dir else None
     if output_dir is not None:
-        from .drafters import ensure_writable_dir
+        from .utils import ensure_writable_dir
 
         ensure_writable_dir(output_dir, args.overwrite)
         _check_output_file(output_dir / "results.json", True, "--output-dir")
@@ -397,8 +401,8 @@ def _bench(args) -> int:
 
 
 def _report(args) -> int:
-    from .drafters import ensure_writable_dir
     from .report import write_report
+    from .utils import ensure_writable_dir
 
     results = []
     for path in args.results:
@@ -433,7 +437,8 @@ def _cost_model(args) -> int:
 
 def _export_causal_lm(args) -> int:
     from .convert import export_causal_lm
-    from .drafters import ensure_writable_dir, load_drafter
+    from .drafters import load_drafter
+    from .utils import ensure_writable_dir
 
     output = ensure_writable_dir(args.output, args.overwrite)
     drafter = load_drafter(args.drafter, dtype=args.dtype)
@@ -571,7 +576,7 @@ def _push(args) -> int:
 
 def _convert(args) -> int:
     from .convert import convert_autoregressive_checkpoint, load_published_d3d_checkpoint
-    from .drafters import ensure_writable_dir
+    from .utils import ensure_writable_dir
 
     layer_ids = args.layer_ids
     if args.published_d3d:
@@ -619,9 +624,9 @@ def _prune(args) -> int:
     from dataclasses import asdict
 
     from .data import load_prompt_sources
-    from .drafters import ensure_writable_dir
     from .prompts import encode_prompt
     from .pruning import PATH_FILE, PLOT_FILE, STATE_FILE, plot_pruning_path, prune_drafter
+    from .utils import ensure_writable_dir
 
     output = Path(args.output)
     if not (output / STATE_FILE).exists():  # a folder with a state is resumed; anything else needs --overwrite

@@ -176,8 +176,8 @@ def convert_autoregressive_checkpoint(
     """
     from transformers import AutoModelForCausalLM
 
-    from .drafters import ensure_writable_dir
     from .modeling import D3DForDiffusionDrafting
+    from .utils import ensure_writable_dir
 
     folder = Path(folder)
     raw = _read_config(folder)

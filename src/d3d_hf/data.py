@@ -4,12 +4,9 @@ A D3D drafter learns the distribution of the target it drafts for (self-distilla
 every training example is a prompt plus the *target's own* response to it: greedy when ``temperature == 0``,
 otherwise sampled at that temperature. Evaluation prompts (HumanEval) are never used for training.
 
-Prompt sources (see :func:`load_prompt_sources`):
-
-* ``stdlib[:N]``: :func:`stdlib_prompts`, instructions derived from the documented functions and classes of the
-  Python standard library installed with the interpreter (Python Software Foundation License Version 2);
-* a JSONL file in the format of :func:`d3d_hf.prompts.load_prompts`, optionally ``path:N`` for its first N prompts;
-* ``humaneval`` (and any prompt whose id starts with ``HumanEval/``) is refused: it is an evaluation set.
+The prompts come from :func:`~d3d_hf.prompts.load_prompt_sources` (``stdlib[:N]``, the prompts
+:func:`~d3d_hf.prompts.stdlib_prompts` derives from the Python standard library, and JSONL files; evaluation sets
+are refused). Those functions and their constants live in :mod:`d3d_hf.prompts` and are importable from here too.
 
 :func:`generate_dataset` writes, under its ``output_dir``::
 
@@ -29,360 +26,37 @@ generated ids up to and including the end-of-sequence token when one was emitted
 
 from __future__ import annotations
 
-import ast
 import hashlib
-import importlib.metadata
-import inspect
 import json
 import os
-import platform
-import random
 import shutil
-import sysconfig
-import textwrap
 import time
-import warnings
 import zlib
 from collections import Counter
 from collections.abc import Sequence
 from datetime import datetime, timezone
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from .prompts import Prompt, encode_prompt, load_prompts
+# the prompt sources moved to d3d_hf.prompts; d3d_hf.data still exports them (its `__all__`)
+from .prompts import (
+    EVALUATION_SETS,
+    MAX_SOURCE_CHARS,
+    STDLIB_KINDS,
+    STDLIB_LICENSE,
+    Prompt,
+    encode_prompt,
+    load_prompt_sources,
+    stdlib_prompts,
+    stdlib_source_info,
+)
+from .utils import library_versions, write_json_atomic
 
 if TYPE_CHECKING:
     from datasets import Dataset
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-# ----------------------------------------------------------------------------------------------------------------
-# Prompts from the Python standard library
-
-STDLIB_KINDS: tuple[str, ...] = ("implement", "explain", "docstring", "type_hints", "class")
-"""The instruction kinds :func:`stdlib_prompts` derives, in the order they are interleaved:
-
-* ``implement``: "Write a Python function `name(signature)` that matches this description: <docstring summary>"
-  (for methods: "Write the method `name(self, ...)` of a Python class `Class` ...");
-* ``explain``: "Explain what this Python code does" + the function's source without its docstring;
-* ``docstring``: "Write a docstring for this Python function" + the source without its docstring;
-* ``type_hints``: "Add type hints to this Python function" + the source without its docstring (only for
-  functions that have no annotations);
-* ``class``: "Write a Python class `Name` that matches this description: <docstring summary>", listing up to
-  eight of its public methods.
-"""
-
-STDLIB_LICENSE = "Python Software Foundation License Version 2 (PSF-2.0)"
-"""Licence of the Python standard library sources that :func:`stdlib_prompts` quotes."""
-
-MAX_SOURCE_CHARS = 1500
-"""Longest function source (docstring removed, dedented) quoted by the ``explain``/``docstring``/``type_hints``
-kinds."""
-
-_SUMMARY_CHARS = (20, 600)
-_MAX_CLASS_METHODS = 8
-
-# Folders (any path component) and top-level modules of the stdlib that are not walked: tests, GUI/demo code,
-# installed third-party packages, build configuration, deprecated or generated modules.
-_SKIP_DIRS = frozenset(
-    {
-        "__pycache__",
-        "__phello__",
-        "dist-packages",
-        "distutils",
-        "encodings",
-        "ensurepip",
-        "idlelib",
-        "lib-dynload",
-        "lib2to3",
-        "msilib",
-        "pydoc_data",
-        "site-packages",
-        "test",
-        "tests",
-        "tkinter",
-        "turtledemo",
-        "venv",
-    }
-)
-_SKIP_MODULES = frozenset({"antigravity", "this", "__hello__", "__future__", "setup"})
-
-_IMPLEMENT = "Write a Python function `{signature}` that matches this description:\n\n{summary}"
-_IMPLEMENT_METHOD = (
-    "Write the method `{signature}` of a Python class `{cls}` that matches this description:\n\n{summary}"
-)
-_EXPLAIN = "Explain what this Python code does:\n\n```python\n{source}\n```"
-_DOCSTRING = "Write a docstring for this Python function:\n\n```python\n{source}\n```"
-_TYPE_HINTS = "Add type hints to this Python function and show the annotated code:\n\n```python\n{source}\n```"
-_CLASS = "Write a Python class `{name}` that matches this description:\n\n{summary}"
-
-
-def stdlib_source_info() -> dict:
-    """Where :func:`stdlib_prompts` reads from: Python version, stdlib folder and licence.
-
-    Returns:
-        ``{"python_version": "3.11.7", "stdlib_path": "...", "license": "..."}``.
-    """
-    return {
-        "python_version": platform.python_version(),
-        "stdlib_path": sysconfig.get_paths()["stdlib"],
-        "license": STDLIB_LICENSE,
-    }
-
-
-def _summary(doc: str) -> str | None:
-    """First paragraph of a docstring, on one line; ``None`` when it is too short, too long or a doctest."""
-    paragraph = inspect.cleandoc(doc).split("\n\n", 1)[0]
-    text = " ".join(paragraph.split())
-    if not (_SUMMARY_CHARS[0] <= len(text) <= _SUMMARY_CHARS[1]) or ">>>" in text:
-        return None
-    return text
-
-
-def _source_without_docstring(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
-    """The dedented source of a function (from its ``def`` line) with its docstring lines removed.
-
-    ``None`` when the docstring shares a line with other code, or nothing but ``pass``/``...``/a ``raise`` is left.
-    """
-    doc = node.body[0]
-    if doc.lineno <= node.lineno or len(node.body) < 2:
-        return None
-    rest = node.body[1:]
-    if len(rest) == 1 and isinstance(rest[0], (ast.Pass, ast.Raise)):
-        return None
-    if len(rest) == 1 and isinstance(rest[0], ast.Expr) and isinstance(rest[0].value, ast.Constant):
-        return None
-    head = lines[node.lineno - 1 : doc.lineno - 1]
-    tail = lines[doc.end_lineno : node.end_lineno]
-    return textwrap.dedent("\n".join(head + tail)).strip("\n")
-
-
-def _has_annotations(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
-    args = node.args
-    every = [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
-    return node.returns is not None or any(a is not None and a.annotation is not None for a in every)
-
-
-def _function_candidates(
-    module: str, lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef, cls: str | None
-) -> list[tuple[str, str, str]]:
-    doc = ast.get_docstring(node, clean=False)
-    if not doc:
-        return []
-    qualname = node.name if cls is None else f"{cls}.{node.name}"
-    base = f"stdlib/{module}.{qualname}"
-    out = []
-    signature = f"{node.name}({ast.unparse(node.args)})"
-    if node.returns is not None:
-        signature += f" -> {ast.unparse(node.returns)}"
-    summary = _summary(doc)
-    if summary is not None:
-        if cls is None:
-            text = _IMPLEMENT.format(signature=signature, summary=summary)
-        else:
-            text = _IMPLEMENT_METHOD.format(signature=signature, cls=cls, summary=summary)
-        out.append(("implement", f"{base}/implement", text))
-    source = _source_without_docstring(lines, node)
-    if source is not None and len(source) <= MAX_SOURCE_CHARS:
-        out.append(("explain", f"{base}/explain", _EXPLAIN.format(source=source)))
-        out.append(("docstring", f"{base}/docstring", _DOCSTRING.format(source=source)))
-        if not _has_annotations(node):
-            out.append(("type_hints", f"{base}/type_hints", _TYPE_HINTS.format(source=source)))
-    return out
-
-
-def _class_candidates(module: str, lines: list[str], node: ast.ClassDef) -> list[tuple[str, str, str]]:
-    out = []
-    methods = []
-    for child in node.body:
-        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) and not child.name.startswith("_"):
-            methods.append(child.name)
-            out.extend(_function_candidates(module, lines, child, node.name))
-    doc = ast.get_docstring(node, clean=False)
-    summary = _summary(doc) if doc else None
-    if summary is not None:
-        text = _CLASS.format(name=node.name, summary=summary)
-        if methods:
-            shown = ", ".join(f"`{m}`" for m in methods[:_MAX_CLASS_METHODS])
-            text += f"\n\nGive it the public methods {shown}."
-        out.append(("class", f"stdlib/{module}.{node.name}/class", text))
-    return out
-
-
-def _module_candidates(module: str, text: str) -> list[tuple[str, str, str]]:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # SyntaxWarning for old escape sequences in a few modules
-            tree = ast.parse(text)
-    except (SyntaxError, ValueError):
-        return []
-    lines = text.splitlines()
-    out = []
-    for node in tree.body:
-        if getattr(node, "name", "_").startswith("_"):
-            continue
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            out.extend(_function_candidates(module, lines, node, None))
-        elif isinstance(node, ast.ClassDef):
-            out.extend(_class_candidates(module, lines, node))
-    return out
-
-
-@lru_cache(maxsize=4)
-def _stdlib_candidates(stdlib_dir: str) -> tuple[tuple[str, str, str], ...]:
-    """Every ``(kind, id, user message)`` derivable from the stdlib at ``stdlib_dir``, in sorted walk order."""
-    root = Path(stdlib_dir)
-    candidates: dict[str, tuple[str, str, str]] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(("config-", ".")))
-        rel = Path(dirpath).relative_to(root)
-        if rel.parts and not all(p.isidentifier() for p in rel.parts):
-            continue
-        for filename in sorted(filenames):
-            if not filename.endswith(".py"):
-                continue
-            stem = filename[:-3]
-            parts = [*rel.parts] + ([] if stem == "__init__" else [stem])
-            if not parts or parts[0] in _SKIP_MODULES or any(p.startswith(("_", "test")) for p in parts):
-                continue
-            try:
-                text = (Path(dirpath) / filename).read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError):
-                continue
-            for kind, pid, content in _module_candidates(".".join(parts), text):
-                candidates.setdefault(pid, (kind, pid, content))
-    return tuple(candidates.values())
-
-
-def stdlib_prompts(limit: int | None = None, seed: int = 0) -> list[Prompt]:
-    """Training prompts derived from the Python standard library installed with the running interpreter.
-
-    Source and licence: the ``.py`` files under ``sysconfig.get_paths()["stdlib"]`` (recorded with the Python
-    version by :func:`stdlib_source_info`), which are distributed under the Python Software Foundation License
-    Version 2. The files are parsed with :mod:`ast` (never imported). Walked in sorted order, skipping tests
-    (``test``/``tests`` folders, ``test*`` modules), private modules (``_*``), GUI and demo code (``idlelib``,
-    ``tkinter``, ``turtledemo``), installed packages (``site-packages``), build configuration and deprecated or
-    generated packages (``lib2to3``, ``distutils``, ``encodings``, ``ensurepip``, ``pydoc_data``, ...). Public
-    top-level functions, public methods of public top-level classes and public classes with a docstring give the
-    kinds in :data:`STDLIB_KINDS`. The set is disjoint from every evaluation set (it never reads HumanEval).
-
-    Selection is deterministic given ``seed`` and the Python installation: the candidates of each kind are
-    shuffled with ``random.Random(seed)`` and the kinds are interleaved round-robin in :data:`STDLIB_KINDS` order
-    (a kind that runs out is dropped from the rotation), so any ``limit`` gives a balanced mix. On CPython 3.11
-    there are about 12,000 candidates; the first call parses ~600 files (a few seconds), later calls are cached.
-
-    Args:
-        limit: Number of prompts to return (positive), or ``None`` for all candidates.
-        seed: Seed of the shuffle.
-
-    Returns:
-        Prompts with one user turn each (no system message, so the chat template adds its default) and
-        ``raw=None``; ids are ``"stdlib/<module>.<qualname>/<kind>"``, e.g. ``"stdlib/json.dumps/explain"``.
-
-    Raises:
-        ValueError: ``limit`` is not a positive integer or ``None``.
-        FileNotFoundError: The interpreter has no standard library sources (e.g. a zipped stdlib).
-    """
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"limit must be a positive integer or None, got {limit!r}.")
-    stdlib_dir = sysconfig.get_paths()["stdlib"]
-    if not Path(stdlib_dir, "os.py").is_file():
-        raise FileNotFoundError(
-            f"No Python standard library sources at {stdlib_dir} (os.py is missing): the 'stdlib' prompt source "
-            "needs an interpreter installed with its .py files."
-        )
-    by_kind: dict[str, list[tuple[str, str, str]]] = {kind: [] for kind in STDLIB_KINDS}
-    for candidate in _stdlib_candidates(stdlib_dir):
-        by_kind[candidate[0]].append(candidate)
-    rng = random.Random(seed)
-    queues = []
-    for kind in STDLIB_KINDS:
-        items = sorted(by_kind[kind], key=lambda c: c[1])
-        rng.shuffle(items)
-        queues.append(items)
-    chosen: list[tuple[str, str, str]] = []
-    total = sum(len(q) for q in queues)
-    wanted = total if limit is None else min(limit, total)
-    depth = 0
-    while len(chosen) < wanted:
-        for queue in queues:
-            if depth < len(queue) and len(chosen) < wanted:
-                chosen.append(queue[depth])
-        depth += 1
-    return [Prompt(id=pid, messages=[{"role": "user", "content": content}]) for _, pid, content in chosen]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Prompt source specs
-
-EVALUATION_SETS = frozenset({"humaneval"})
-"""Prompt sets used for evaluation; :func:`load_prompt_sources` refuses them for training data."""
-
-_EVALUATION_ID_PREFIXES = ("HumanEval/",)
-
-
-def load_prompt_sources(spec: str, seed: int = 0) -> list[Prompt]:
-    """Load training prompts from a comma-separated list of sources.
-
-    Each item is ``stdlib`` or ``stdlib:N`` (:func:`stdlib_prompts` with ``limit=N``), or a JSONL file path,
-    optionally ``path:N`` for its first N prompts (:func:`d3d_hf.prompts.load_prompts`). Example:
-    ``"stdlib:600,data/extra.jsonl"``.
-
-    Args:
-        spec: The comma-separated sources.
-        seed: Seed passed to :func:`stdlib_prompts`.
-
-    Returns:
-        The prompts of all sources, in the order given.
-
-    Raises:
-        ValueError: An empty spec or item, a count that is not a positive integer, an evaluation set
-            (``humaneval``: evaluation prompts must never be trained on), a prompt whose id marks it as an
-            evaluation prompt (``HumanEval/...``), ids repeated across sources, or whatever
-            :func:`~d3d_hf.prompts.load_prompts` raises for a bad file.
-        FileNotFoundError: A file that does not exist.
-    """
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"Expected prompt sources such as 'stdlib:600,path/to/file.jsonl', got {spec!r}.")
-    prompts: list[Prompt] = []
-    origin: dict[str, str] = {}
-    for item in spec.split(","):
-        item = item.strip()
-        if not item:
-            raise ValueError(f"Empty item in prompt sources {spec!r}: separate sources with single commas.")
-        source, limit = item, None
-        head, sep, tail = item.rpartition(":")
-        if sep and head and (tail.strip().lstrip("-").isdigit() or head.strip().lower() == "stdlib"):
-            if not tail.strip().isdigit() or int(tail) < 1:
-                raise ValueError(f"{item!r}: the count after ':' must be a positive integer.")
-            source, limit = head.strip(), int(tail)
-        name = source.lower()
-        if name in EVALUATION_SETS:
-            raise ValueError(
-                f"{source!r} is an evaluation set: it must never be used as training data (the drafter would be "
-                "measured on prompts it was trained on). Use 'stdlib[:N]' or a JSONL file of other prompts."
-            )
-        if name == "stdlib":
-            loaded = stdlib_prompts(limit=limit, seed=seed)
-        else:
-            loaded = load_prompts(source, limit=limit)
-        for p in loaded:
-            if p.id.startswith(_EVALUATION_ID_PREFIXES):
-                raise ValueError(
-                    f"{source!r} holds the evaluation prompt {p.id!r}: evaluation prompts must never be used as "
-                    "training data. Remove them from the file."
-                )
-            if p.id in origin:
-                raise ValueError(
-                    f"Prompt id {p.id!r} appears in both {origin[p.id]!r} and {source!r}: ids must be unique "
-                    'across sources (give the file\'s prompts distinct "id" fields).'
-                )
-            origin[p.id] = source
-        prompts.extend(loaded)
-    return prompts
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # Generation
@@ -404,16 +78,6 @@ _RESUME_KEYS = (
 )
 """Settings that must be equal to resume into a folder. Batch size and prompt sources may change between runs
 (more prompts can be added; the batch size only changes padding numerics) and are recorded per run."""
-
-
-def _versions() -> dict:
-    out = {"python": platform.python_version()}
-    for dist in ("torch", "transformers", "datasets", "tokenizers", "d3d-hf"):
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
 
 
 def _eos_ids(target, tokenizer) -> list[int]:
@@ -438,12 +102,6 @@ def _pad_id(target, tokenizer, eos_ids: list[int]) -> int:
 
 def _utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _write_json_atomic(path: Path, obj: object) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _read_shards(shards: Path) -> tuple[dict[str, dict], int]:
@@ -700,7 +358,7 @@ def generate_dataset(
         "already_done": len(prompts) - len(pending),
         "torch_threads": torch.get_num_threads(),
         "device": str(target.device),
-        "versions": _versions(),
+        "versions": library_versions("torch", "transformers", "datasets", "tokenizers", "d3d-hf"),
     }
     uses_stdlib = any(p.id.startswith("stdlib/") for p in prompts)
     record = {
@@ -713,7 +371,7 @@ def generate_dataset(
         "versions": run["versions"],
         "runs": [*(old or {}).get("runs", []), run],
     }
-    _write_json_atomic(output_dir / SETTINGS_FILE, record)
+    write_json_atomic(output_dir / SETTINGS_FILE, record)
 
     encoded = {p.id: encode_prompt(tokenizer, p)[0].tolist() for p in pending}
     order = sorted(range(len(pending)), key=lambda i: (len(encoded[pending[i].id]), i))
@@ -766,7 +424,7 @@ def generate_dataset(
         seconds=round(elapsed, 1),
         new_tokens_per_second=round(new_tokens / elapsed, 2) if elapsed > 0 and pending else None,
     )
-    _write_json_atomic(output_dir / SETTINGS_FILE, record)
+    write_json_atomic(output_dir / SETTINGS_FILE, record)
 
     rows = [done[p.id] for p in prompts]
     dataset = datasets.Dataset.from_list(rows)

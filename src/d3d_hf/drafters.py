@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModel
 
 from .modeling import D3DConfig, D3DForDiffusionDrafting
 from .targets import parse_dtype
+from .utils import ensure_writable_dir  # re-exported: `d3d_hf.drafters.ensure_writable_dir` predates `utils`
 
 PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained"
 #: Drafters shipped inside the package, by name.
@@ -29,22 +30,6 @@ def resolve_drafter(name_or_path: str) -> str:
             raise FileNotFoundError(f"The shipped drafter {name_or_path!r} is missing from {folder}; reinstall d3d-hf.")
         return str(folder)
     return name_or_path
-
-
-def ensure_writable_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Returns `path` as a `Path` after checking it may be written.
-
-    Raises:
-        FileExistsError: if `path` is a non-empty directory (or a file) and `overwrite` is `False`; nothing a user
-            saved is replaced without being asked.
-    """
-    path = Path(path)
-    if path.exists() and (path.is_file() or any(path.iterdir())) and not overwrite:
-        raise FileExistsError(
-            f"{path} already exists and is not empty; choose another output or pass --overwrite (files of the same "
-            "name are replaced, other files are kept)."
-        )
-    return path
 
 
 def _check_local_drafter_folder(folder: str) -> None:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import re
 import shutil
 import tempfile
@@ -49,6 +48,8 @@ from dataclasses import asdict, dataclass, field, fields
 from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from .utils import library_versions
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -325,20 +326,11 @@ def _format_value(value: Any) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
-def _versions() -> list[tuple[str, str]]:
-    import huggingface_hub
-    import torch
-    import transformers
-
-    from . import __version__
-
-    return [
-        ("d3d-hf", __version__),
-        ("transformers", transformers.__version__),
-        ("torch", torch.__version__),
-        ("huggingface_hub", huggingface_hub.__version__),
-        ("Python", platform.python_version()),
-    ]
+def _versions() -> list[tuple[str, str | None]]:
+    """The versions listed on a model card, as `(name, version)` rows (`library_versions`, Python last)."""
+    names = ("d3d-hf", "transformers", "torch", "huggingface_hub")
+    versions = library_versions(*names)
+    return [(name, versions[name]) for name in names] + [("Python", versions["python"])]
 
 
 def _citation() -> str:

@@ -25,7 +25,6 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -33,6 +32,7 @@ from tqdm.auto import tqdm
 
 from .modeling import D3DForDiffusionDrafting
 from .modeling.modeling_d3d import D3DCache
+from .utils import write_json_atomic
 
 STATE_FILE = "pruning_state.json"
 PATH_FILE = "pruning_path.json"
@@ -227,12 +227,6 @@ def _fingerprint(drafter: D3DForDiffusionDrafting) -> str:
     return f"{total:.6e}"
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
-
-
 def target_continuations(target, prompts_ids: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
     """The target's greedy continuation of each prompt (`target.generate`, batch size 1), as token lists."""
     out = []
@@ -304,7 +298,7 @@ def prune_drafter(
     state_path = Path(state_dir) / STATE_FILE if state_dir is not None else None
     state = None
     if state_path is not None and state_path.exists():
-        state = json.loads(state_path.read_text())
+        state = json.loads(state_path.read_text(encoding="utf-8"))
         if state["settings"] != settings:
             raise ValueError(
                 f"{state_path} holds a pruning run with other settings (drafter, prompts, budget or dtype); use "
@@ -320,7 +314,7 @@ def prune_drafter(
         if state_path is not None:
             state_path.parent.mkdir(parents=True, exist_ok=True)
             state["steps"] = [asdict(s) for s in steps]
-            _write_json_atomic(state_path, state)
+            write_json_atomic(state_path, state)
 
     if not steps:
         base = _calibration_acceptance(drafter, calibration, max_new_tokens, eos_ids)

@@ -1,0 +1,97 @@
+"""`D3DTrainingConfig`: the configuration of `D3DTrainer` (transformers `TrainingArguments` plus the D3D
+objective)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+
+@dataclass
+class D3DTrainingConfig(TrainingArguments):
+    r"""
+    Configuration of `D3DTrainer`: every `transformers.TrainingArguments` field plus the D3D objective.
+
+    Objective:
+        block_size (`int`, *optional*): draft block size `B`; defaults to the drafter's `config.block_size`.
+        anchors_per_sequence (`int`, defaults to 8): blocks sampled per training sequence (`K`).
+        mask_ratio_min, mask_ratio_max (`float`, default 1.0 and 1.0): each block masks a fraction drawn uniformly
+            from this range of its `B-1` positions (1.0 = full masking, the inference regime).
+        position_weight_gamma (`float`, defaults to 7.0): `gamma` of the weights `exp(-(k-1)/gamma)`.
+        ar_loss_weight (`float`, defaults to 0.5): weight of the next-token loss on the clean stream.
+        block_loss_weight (`float`, defaults to 1.0): weight of the block-diffusion loss. 0 turns it off (the noisy
+            blocks are not computed): only the next-token loss trains, i.e. an autoregressive drafter; this needs
+            `ar_loss_weight > 0` and `train_mode` `"full"` or `"peft"`.
+        max_length (`int`, defaults to 512): prompt + response tokens kept per sequence (the prompt is cut from
+            the left first).
+
+    What trains:
+        train_mode (`str`, defaults to `"block_adapter"`): `"block_adapter"` trains block adapters
+            (`block_lora_rank`) and the mask embedding, everything else frozen, so the committed-context path,
+            and with it the first draft token, stays exactly the source model's; `"full"` trains every weight
+            except, with `freeze_embeddings`, the embeddings and LM head; `"peft"` wraps the drafter with PEFT
+            LoRA (`peft_lora_rank`, `peft_lora_alpha`, all seven projections) and trains the mask embedding as a
+            module to save.
+        block_lora_rank (`int`, defaults to 32): rank of the block adapters created for `"block_adapter"` when the
+            drafter has none.
+        block_lora_alpha (`float`, defaults to 64.0): their scaling numerator.
+        freeze_embeddings (`bool`, defaults to `True`): keep embeddings and LM head frozen in `"full"` mode.
+        peft_lora_rank (`int`, defaults to 16), peft_lora_alpha (`float`, defaults to 32.0): PEFT LoRA settings.
+
+    Evaluation of tau during training:
+        tau_eval_steps (`int`, defaults to 0): every this many steps, measure tau through
+            `target.generate(..., assistant_model=drafter)` on the trainer's `tau_prompts` (0 = never).
+        tau_eval_max_new_tokens (`int`, defaults to 64): new tokens per tau prompt.
+
+    Raises:
+        ValueError: for an unknown `train_mode`, a mask ratio outside (0, 1], `anchors_per_sequence < 1`, a negative
+            loss weight, both loss weights 0, or `block_loss_weight=0` with `train_mode="block_adapter"` (nothing
+            would train).
+    """
+
+    block_size: int | None = field(default=None, metadata={"help": "Draft block size B (default: the drafter's)."})
+    anchors_per_sequence: int = field(default=8, metadata={"help": "Blocks sampled per sequence (K)."})
+    mask_ratio_min: float = field(default=1.0, metadata={"help": "Lowest fraction of masked block positions."})
+    mask_ratio_max: float = field(default=1.0, metadata={"help": "Highest fraction of masked block positions."})
+    position_weight_gamma: float = field(default=7.0, metadata={"help": "gamma of exp(-(k-1)/gamma)."})
+    ar_loss_weight: float = field(default=0.5, metadata={"help": "Weight of the clean next-token loss."})
+    block_loss_weight: float = field(
+        default=1.0, metadata={"help": "Weight of the block-diffusion loss (0 = autoregressive drafter only)."}
+    )
+    max_length: int = field(default=512, metadata={"help": "Tokens kept per sequence."})
+    train_mode: str = field(default="block_adapter", metadata={"help": "block_adapter | full | peft"})
+    block_lora_rank: int = field(default=32, metadata={"help": "Rank of new block adapters."})
+    block_lora_alpha: float = field(default=64.0, metadata={"help": "Scaling numerator of new block adapters."})
+    freeze_embeddings: bool = field(default=True, metadata={"help": "Freeze embeddings/LM head in full mode."})
+    peft_lora_rank: int = field(default=16, metadata={"help": "PEFT LoRA rank (train_mode=peft)."})
+    peft_lora_alpha: float = field(default=32.0, metadata={"help": "PEFT LoRA alpha (train_mode=peft)."})
+    tau_eval_steps: int = field(default=0, metadata={"help": "Measure tau every N steps (0 = never)."})
+    tau_eval_max_new_tokens: int = field(default=64, metadata={"help": "New tokens per tau prompt."})
+    remove_unused_columns: bool = field(default=False, metadata={"help": "Keep the collator's columns."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.train_mode not in ("block_adapter", "full", "peft"):
+            raise ValueError(f"`train_mode` must be block_adapter, full or peft, got {self.train_mode!r}.")
+        if not 0 < self.mask_ratio_min <= self.mask_ratio_max <= 1:
+            raise ValueError(
+                f"Need 0 < mask_ratio_min <= mask_ratio_max <= 1, got {self.mask_ratio_min}, {self.mask_ratio_max}."
+            )
+        if self.anchors_per_sequence < 1:
+            raise ValueError(f"`anchors_per_sequence` must be >= 1, got {self.anchors_per_sequence}.")
+        if self.ar_loss_weight < 0 or self.block_loss_weight < 0:
+            raise ValueError(
+                f"Loss weights must be >= 0, got ar_loss_weight={self.ar_loss_weight}, "
+                f"block_loss_weight={self.block_loss_weight}."
+            )
+        if self.ar_loss_weight == 0 and self.block_loss_weight == 0:
+            raise ValueError("`ar_loss_weight` and `block_loss_weight` are both 0: nothing to train.")
+        if self.block_loss_weight == 0 and self.train_mode == "block_adapter":
+            raise ValueError(
+                "`block_loss_weight=0` trains only the next-token loss, which block adapters do not affect (they act "
+                "only inside draft blocks): use `train_mode='full'` or `'peft'` for an autoregressive drafter."
+            )
+
+
+__all__ = ["D3DTrainingConfig"]

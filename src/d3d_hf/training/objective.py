@@ -1,0 +1,165 @@
+"""The D3D training objective: the block-diffusion attention mask and the losses of one batch (`d3d_losses`).
+
+Objective (docs/DESIGN.md section 3; BD3-LM block-diffusion attention, arXiv 2503.09573):
+
+- **Blockwise denoising.** For `anchors_per_sequence` random anchors `a` per sequence, the block after the anchor,
+  positions `a+1 .. a+B-1`, is masked (every position, or a random fraction in `[mask_ratio_min,
+  mask_ratio_max]`). With the drafter's "shifted, causal anchor" alignment the output at block position `a+j`
+  predicts token `x[a+j+1]`, i.e. draft token `d_{j+1}`; its cross-entropy is weighted by
+  `w_k = exp(-(k-1)/gamma)` with `k = j+1`, favouring early draft positions (targets given as clean tokens inside
+  the block are not scored). The first draft token `d1` is the anchor's ordinary next-token prediction.
+- **Auxiliary autoregressive loss.** `ar_loss_weight` times the next-token loss on the clean response tokens.
+  With `block_loss_weight=0` it is the only loss and the noisy blocks are not run at all: the trainer then trains
+  an ordinary autoregressive drafter (with `train_mode="full"` or `"peft"`; block adapters act only inside blocks),
+  the baseline that `d3d_hf.convert.export_causal_lm` turns into an assistant for transformers' assisted generation
+  (`examples/train_ar_assistant.sh`).
+- **One vectorised pass, no loop over blocks.** The clean stream (length `L`) runs first and leaves its keys and
+  values in a `D3DCache`, exactly as at inference; then all `K` noisy blocks of all sequences run as one query
+  batch of `K * (B-1)` tokens under a block-diffusion mask: block `k` sees clean positions `<= a_k` and itself,
+  bidirectionally. This is the clean + noisy concatenation of BD3-LM with the noisy copy reduced to the sampled
+  blocks (`L + K(B-1)` tokens instead of `2L`). When only drafter-specific weights train (block adapters, mask
+  embedding), the clean stream does not depend on them and runs without autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..modeling import D3DCache, D3DForDiffusionDrafting
+
+
+def block_diffusion_attention_mask(
+    anchors: torch.LongTensor, clean_attention_mask: torch.Tensor, block_size: int
+) -> torch.BoolTensor:
+    """Attention mask of the noisy blocks over `[clean stream | noisy blocks]`.
+
+    Args:
+        anchors (`torch.LongTensor` of shape `(batch, K)`): anchor positions (-1 = unused block).
+        clean_attention_mask (`torch.Tensor` of shape `(batch, L)`): 1 for real clean tokens.
+        block_size (`int`): `B`; each block has `B - 1` query tokens.
+
+    Returns:
+        `torch.BoolTensor` of shape `(batch, 1, K*(B-1), L + K*(B-1))`: query `(k, j)` may attend to clean position
+        `t` iff `t <= a_k` and `t` is real, and to noisy token `(k', j')` iff `k' == k` (bidirectional block).
+        Rows of unused blocks attend only to their own block (their loss is ignored).
+    """
+    batch, num_blocks = anchors.shape
+    span = block_size - 1
+    length = clean_attention_mask.shape[1]
+    t = torch.arange(length, device=anchors.device)
+    clean = (t[None, None, :] <= anchors[:, :, None]) & clean_attention_mask.bool()[:, None, :]  # (batch, K, L)
+    clean = clean[:, :, None, :].expand(batch, num_blocks, span, length).reshape(batch, num_blocks * span, length)
+    block_id = torch.arange(num_blocks, device=anchors.device).repeat_interleave(span)
+    noisy = (block_id[:, None] == block_id[None, :])[None].expand(batch, -1, -1)
+    return torch.cat([clean, noisy], dim=-1)[:, None]
+
+
+def _position_weights(span: int, gamma: float, device) -> torch.Tensor:
+    """`w` for block positions j = 1..B-1, which predict draft token k = j + 1: `exp(-(k-1)/gamma)`."""
+    j = torch.arange(1, span + 1, device=device, dtype=torch.float32)
+    return torch.exp(-j / gamma)
+
+
+def d3d_losses(
+    drafter: D3DForDiffusionDrafting,
+    inputs: dict[str, torch.Tensor],
+    block_size: int,
+    gamma: float,
+    compute_ar: bool = True,
+    clean_requires_grad: bool = True,
+    compute_block: bool = True,
+) -> dict[str, torch.Tensor]:
+    """The D3D training losses of one batch (module docstring), vectorised over sequences and blocks.
+
+    Args:
+        drafter (`D3DForDiffusionDrafting`): the drafter (or a PEFT model wrapping it: anything whose call accepts
+            the drafter's forward arguments).
+        inputs (`dict`): a `D3DDataCollator` batch.
+        block_size (`int`): `B`.
+        gamma (`float`): position-weight decay.
+        compute_ar (`bool`): whether to compute the next-token loss on the clean stream.
+        clean_requires_grad (`bool`): run the clean stream under autograd (needed when trainable weights act on
+            committed tokens).
+        compute_block (`bool`): whether to run the noisy blocks and compute the block loss (0 and no block
+            tokens when not).
+
+    Returns:
+        `dict` with scalar float32 tensors `block_loss` (weighted mean over scored block positions; 0 when none),
+        `ar_loss` (mean next-token loss over response tokens; 0 when not computed), and counts `block_tokens`,
+        `ar_tokens`. A loss with nothing to score is an exact 0 that is still connected to the forward passes, so a
+        batch of sequences too short to score trains as a zero-gradient step instead of failing in `backward`.
+    """
+    input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+    anchors, block_masked = inputs["anchors"], inputs["block_masked"]
+    batch, length = input_ids.shape
+    span = block_size - 1
+    device = input_ids.device
+
+    cache = D3DCache()
+    with torch.set_grad_enabled(clean_requires_grad and torch.is_grad_enabled()):
+        clean = drafter(
+            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True, logits_to_keep=1
+        )
+    losses: dict[str, torch.Tensor] = {}
+    zero = torch.zeros((), device=device)
+
+    # auxiliary autoregressive loss on the response tokens of the clean stream
+    if compute_ar:
+        hidden = clean.last_hidden_state[:, :-1]
+        positions = torch.arange(length - 1, device=device)[None]
+        keep = (positions >= (inputs["response_start"][:, None] - 1)) & attention_mask[:, 1:].bool()
+        if keep.any():
+            unwrapped = getattr(drafter, "module", drafter)  # DistributedDataParallel wraps the model
+            head = unwrapped.get_output_embeddings()
+            logits = head(hidden[keep]).float()
+            losses["ar_loss"] = F.cross_entropy(logits, input_ids[:, 1:][keep])
+        else:
+            losses["ar_loss"] = clean.last_hidden_state[:, :0].float().sum()  # 0, on the autograd graph if any
+        losses["ar_tokens"] = keep.sum()
+    else:
+        losses["ar_loss"], losses["ar_tokens"] = zero, torch.zeros((), dtype=torch.long, device=device)
+
+    if not compute_block:
+        losses["block_loss"], losses["block_tokens"] = zero, torch.zeros((), dtype=torch.long, device=device)
+        return losses
+
+    # noisy blocks: one query batch of K*(B-1) tokens per sequence over the clean cache
+    valid_block = anchors >= 0
+    j = torch.arange(1, span + 1, device=device)
+    pos = anchors.clamp(min=0)[:, :, None] + j  # (batch, K, span) position of block token j
+    in_range = pos < length
+    lengths = attention_mask.sum(-1)
+    pos_c = pos.clamp(max=length - 1)
+    clean_tokens = torch.gather(input_ids, 1, pos_c.view(batch, -1)).view_as(pos)
+    masked = block_masked.to(device) | ~in_range | (pos >= lengths[:, None, None])
+    noisy_ids = torch.where(masked, torch.zeros_like(clean_tokens), clean_tokens)
+    target_pos = pos + 1
+    target_ok = valid_block[:, :, None] & (target_pos < lengths[:, None, None])
+    # a target that the block shows as a clean token is not scored (the last position predicts past the block)
+    next_masked = torch.cat([masked[:, :, 1:], torch.ones_like(masked[:, :, :1])], dim=-1)
+    scored = target_ok & next_masked
+    targets = torch.gather(input_ids, 1, target_pos.clamp(max=length - 1).view(batch, -1)).view_as(pos)
+
+    attn = block_diffusion_attention_mask(anchors, attention_mask, block_size)
+    noisy = drafter(
+        input_ids=noisy_ids.view(batch, -1),
+        masked_positions=masked.view(batch, -1),
+        block_positions=torch.ones_like(masked.view(batch, -1)),
+        attention_mask=attn,
+        position_ids=pos.view(batch, -1),
+        past_key_values=cache,
+        use_cache=True,
+    )
+    weights = _position_weights(span, gamma, device)[None, None].expand_as(pos) * scored
+    if scored.any():
+        logits = noisy.logits.view(batch, -1, span, noisy.logits.shape[-1])[scored].float()
+        ce = F.cross_entropy(logits, targets[scored], reduction="none")
+        losses["block_loss"] = (ce * weights[scored]).sum() / weights[scored].sum()
+    else:
+        losses["block_loss"] = noisy.logits[:, :0].float().sum()  # 0, on the autograd graph of the trained weights
+    losses["block_tokens"] = scored.sum()
+    return losses
+
+
+__all__ = ["block_diffusion_attention_mask", "d3d_losses"]

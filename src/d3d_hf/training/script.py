@@ -1,0 +1,134 @@
+"""`d3d-hf train`: what to train on (`D3DTrainScriptArguments`), loading the data, training and saving."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..modeling import D3DForDiffusionDrafting
+from .checkpoints import last_complete_checkpoint
+from .config import D3DTrainingConfig
+from .trainer import D3DTrainer
+
+
+@dataclass
+class D3DTrainScriptArguments:
+    r"""
+    What `d3d-hf train` trains on (the `D3DTrainingConfig` fields say how).
+
+    Args:
+        target (`str`): the target model (a known name such as `smollm2-135m-instruct`, a folder or a hub id).
+        data (`str`): a dataset folder written by `d3d-hf data` (its `dataset/` subfolder or the folder itself).
+        drafter (`str`, *optional*): start from this drafter folder instead of initialising from the target.
+        num_layers (`int`, *optional*): layers copied from the target when initialising (default: all).
+        init_block_size (`int`, defaults to 16): block size of a newly initialised drafter.
+        shares_target_weights (`bool`, defaults to `True`): a newly initialised drafter references the target's
+            weights and saves only its own (valid with `train_mode="block_adapter"`; ignored otherwise).
+        dtype (`str`, defaults to `"float32"`): dtype of the target (and shared weights) during training.
+        tau_holdout (`int`, defaults to 4): rows held out of training (the last ones) whose prompts measure tau
+            every `tau_eval_steps`.
+        threads (`int`, *optional*): torch CPU threads.
+        overwrite (`bool`, defaults to `False`): allow a non-empty `output_dir` without resuming.
+    """
+
+    target: str = field(metadata={"help": "Target model name, folder or hub id."})
+    data: str = field(metadata={"help": "Dataset folder written by `d3d-hf data`."})
+    drafter: str | None = field(default=None, metadata={"help": "Start from this drafter folder."})
+    num_layers: int | None = field(default=None, metadata={"help": "Layers of a new drafter (default all)."})
+    init_block_size: int = field(default=16, metadata={"help": "Block size of a new drafter."})
+    shares_target_weights: bool = field(default=True, metadata={"help": "New drafter references target weights."})
+    dtype: str = field(default="float32", metadata={"help": "Training dtype of the target."})
+    tau_holdout: int = field(default=4, metadata={"help": "Rows held out for tau evaluation."})
+    threads: int | None = field(default=None, metadata={"help": "torch CPU threads."})
+    overwrite: bool = field(default=False, metadata={"help": "Allow a non-empty output_dir without resuming."})
+
+
+def load_training_dataset(path: str):
+    """Loads a `d3d-hf data` dataset (`datasets.load_from_disk`) from `path` or `path/dataset`.
+
+    Raises:
+        FileNotFoundError: if neither holds a saved dataset.
+    """
+    from datasets import load_from_disk
+
+    for candidate in (Path(path) / "dataset", Path(path)):
+        if (candidate / "dataset_info.json").exists() or (candidate / "state.json").exists():
+            return load_from_disk(str(candidate))
+    raise FileNotFoundError(f"No dataset at {path}: create one with `d3d-hf data --output {path}`.")
+
+
+def train_drafter(script: D3DTrainScriptArguments, config: D3DTrainingConfig) -> D3DForDiffusionDrafting:
+    """Runs `d3d-hf train`: loads target, data and drafter, trains, saves the drafter to `config.output_dir`.
+
+    Returns:
+        The trained `D3DForDiffusionDrafting` (block adapters merged into nothing: saved as they are).
+
+    Raises:
+        FileExistsError: if `output_dir` is non-empty and neither resuming nor `overwrite`.
+        ValueError: if the dataset is too small for the hold-out, or shared weights are asked with a mode that
+            trains them.
+    """
+    from ..drafters import load_drafter
+    from ..targets import load_target
+
+    if script.threads:
+        torch.set_num_threads(script.threads)
+    output = Path(config.output_dir)
+    resume = config.resume_from_checkpoint
+    if resume in ("auto", "true", "True", True):
+        resume = last_complete_checkpoint(output)  # never a checkpoint whose save was interrupted
+    if output.exists() and any(output.iterdir()) and not resume and not script.overwrite:
+        raise FileExistsError(
+            f"{output} is not empty: pass --resume_from_checkpoint auto to continue a run there, or --overwrite."
+        )
+    target, tokenizer = load_target(script.target, dtype=script.dtype)
+    dataset = load_training_dataset(script.data)
+    if len(dataset) <= script.tau_holdout:
+        raise ValueError(f"The dataset has {len(dataset)} rows; need more than --tau_holdout {script.tau_holdout}.")
+    train_rows = dataset.select(range(len(dataset) - script.tau_holdout))
+    held_out = dataset.select(range(len(dataset) - script.tau_holdout, len(dataset)))
+    tau_prompts = [torch.tensor([row["prompt_ids"]], dtype=torch.long) for row in held_out]
+
+    if script.drafter:
+        drafter = load_drafter(script.drafter, dtype=script.dtype)
+        if drafter.config.shares_target_weights:
+            drafter.attach_target_weights(target)
+    else:
+        shares = script.shares_target_weights and config.train_mode == "block_adapter"
+        drafter = D3DForDiffusionDrafting.from_autoregressive(
+            target,
+            num_layers=script.num_layers,
+            block_size=script.init_block_size,
+            source_model=script.target,
+            target_model=script.target,
+            shares_target_weights=shares,
+        )
+    if drafter.config.shares_target_weights and config.train_mode != "block_adapter":
+        raise ValueError("A drafter that shares the target's weights can only train with train_mode=block_adapter.")
+    trainer = D3DTrainer(
+        drafter,
+        config,
+        train_dataset=train_rows,
+        processing_class=tokenizer,
+        target=target,
+        tau_prompts=tau_prompts if config.tau_eval_steps else None,
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model(str(output))
+    trainer.save_state()
+    return drafter
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`d3d-hf train`: every `D3DTrainScriptArguments` and `D3DTrainingConfig` field as `--name value`."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser((D3DTrainScriptArguments, D3DTrainingConfig), prog="d3d-hf train")
+    script, config = parser.parse_args_into_dataclasses(args=argv)
+    train_drafter(script, config)
+    return 0
+
+
+__all__ = ["D3DTrainScriptArguments", "load_training_dataset", "main", "train_drafter"]
