@@ -1338,8 +1338,9 @@ def measure_cost_curves(
     Builds a random context of `context_length` token ids (timing does not depend on their values), then:
 
     - target: prefills a `transformers.DynamicCache` with the context once, and times forwards of `q` new rows
-      (`target(input_ids, past_key_values=cache, use_cache=True)`, as a verification of `q - 1` drafts), cropping the
-      cache back to the context after each (transformers 5.24 crops by a negative count of tokens to remove);
+      (`target(input_ids, cache=cache, use_cache=True)`, as a verification of `q - 1` drafts; transformers 5.24
+      deprecates the older name `past_key_values`), cropping the cache back to the context after each (transformers
+      5.24 crops by a negative count of tokens to remove: `cache.crop(context_length)` raises);
     - drafter: prefills a `D3DCache` with the context, and times draft passes of `q` rows, 1 committed token plus
       `q - 1` masks (`drafter.draft_logits(committed_ids, cache, num_masks=q - 1)`), cropping back after each.
 
@@ -1401,7 +1402,7 @@ def measure_cost_curves(
     try:
         with torch.no_grad():
             cache = DynamicCache(config=target.config)
-            target(input_ids=context.to(target_device), past_key_values=cache, use_cache=True)
+            target(input_ids=context.to(target_device), cache=cache, use_cache=True)
 
             def crop_target() -> None:
                 extra = cache.get_seq_length() - context_length
@@ -1413,7 +1414,7 @@ def measure_cost_curves(
             for q in rows:
                 ids = random_ids(q).to(target_device)
                 verify[q] = _median_seconds(
-                    lambda ids=ids: target(input_ids=ids, past_key_values=cache, use_cache=True),
+                    lambda ids=ids: target(input_ids=ids, cache=cache, use_cache=True),
                     crop_target,
                     repeats,
                     sync,
