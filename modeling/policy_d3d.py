@@ -126,6 +126,7 @@ class CostCurve:
         self._points: dict[int, float] = {}
         for q, seconds in points.items():
             self._points[self._check_rows(q)] = _check_seconds(seconds, f"The time at q={q}")
+        self._xs = sorted(self._points)
 
     @staticmethod
     def _check_rows(q: Any) -> int:
@@ -155,7 +156,7 @@ class CostCurve:
         q = float(q)
         if not math.isfinite(q) or q < 1:
             raise ValueError(f"Rows `q` must be finite and >= 1, got {q!r}.")
-        xs = sorted(self._points)
+        xs = self._xs
         ys = [self._points[x] for x in xs]
         if q <= xs[0]:
             return ys[0]
@@ -191,6 +192,8 @@ class CostCurve:
             raise ValueError(f"`weight` must be in (0, 1], got {weight!r}.")
         old = self._points.get(q)
         self._points[q] = seconds if old is None else (1 - weight) * old + weight * seconds
+        if old is None:
+            self._xs = sorted(self._points)
 
     def monotone(self) -> CostCurve:
         """The running maximum of the points over increasing `q` (a curve on which more rows never cost less)."""
@@ -723,12 +726,9 @@ class DraftPolicy:
         limit = self._limit(max_candidates)
         return [self.target_rate()] + [o.rate for o in self._drafter_options(num_pending, limit)]
 
-    def _best_plan(self, num_pending: int, limit: int) -> tuple[_Option, _Option | None]:
-        """(the best option among target and drafter plans, the best drafter plan or None)."""
+    def _best_plan(self, num_pending: int, limit: int) -> _Option:
         target = _Option("target", 0, self.target_rate(), self._verify(1))
-        drafter = self._drafter_options(num_pending, limit)
-        best_drafter = _pick(drafter, self.tie_tolerance) if drafter else None
-        return _pick([target, *drafter], self.tie_tolerance), best_drafter
+        return _pick([target, *self._drafter_options(num_pending, limit)], self.tie_tolerance)
 
     def plan(self, num_pending: int, max_candidates: int | None = None) -> int:
         """Masks `m` to compute in the next draft pass (0 = no pass: a plain target step), before any draft.
@@ -754,7 +754,7 @@ class DraftPolicy:
             return 0
         if _is_int(self.mode):
             return min(self.mode, limit)
-        best, _ = self._best_plan(num_pending, limit)
+        best = self._best_plan(num_pending, limit)
         return best.count if best.source == "drafter" else 0
 
     # ---- after the draft pass ------------------------------------------------------------------------------------
@@ -859,12 +859,15 @@ class DraftPolicy:
             R_target)` when `L` (after the cap) is 0.
         """
         limit = num_lookup_tokens if max_candidates is None else min(num_lookup_tokens, max(max_candidates, 0))
-        rates = self.lookup_rates(limit, lookup_probability)
-        if limit == 0:
-            return 0, rates[0]
-        options = [_Option("lookup", k, rates[k], self._verify(k + 1)) for k in range(1, limit + 1)]
+        options = self._lookup_options(limit, lookup_probability)
+        if not options:
+            return 0, self.target_rate()
         best = _pick(options, self.tie_tolerance)
         return best.count, best.rate
+
+    def _lookup_options(self, limit: int, lookup_probability: float | None = None) -> list[_Option]:
+        rates = self.lookup_rates(limit, lookup_probability)
+        return [_Option("lookup", k, rates[k], self._verify(k + 1)) for k in range(1, limit + 1)]
 
     # ---- one round -----------------------------------------------------------------------------------------------
 
@@ -896,22 +899,25 @@ class DraftPolicy:
             decision = RoundDecision("target", num_pending=num_pending, target_rate=target_rate,
                                      expected_rate=target_rate)
         elif _is_int(self.mode):
-            decision = RoundDecision("drafter", num_masks=min(self.mode, limit), num_pending=num_pending,
-                                     target_rate=target_rate)
+            m = min(self.mode, limit)
+            rate = 0.0
+            if self.draft_curve is not None and self.verify_curve is not None:
+                rate = self._drafter_options(num_pending, m)[-1].rate
+            decision = RoundDecision("drafter", num_masks=m, num_pending=num_pending, target_rate=target_rate,
+                                     drafter_rate=rate, expected_rate=rate)
         else:
             decision = self._decide_adaptive(num_pending, limit, lookup_limit)
         self._advance(decision, lookup_limit > 0)
         return decision
 
     def _decide_adaptive(self, num_pending: int, limit: int, lookup_limit: int) -> RoundDecision:
-        best, best_drafter = self._best_plan(num_pending, limit)
-        options = [best]
-        lookup = None
-        if lookup_limit > 0:
-            k, rate = self.choose_lookup(lookup_limit)
-            lookup = _Option("lookup", k, rate, self._verify(k + 1))
-            options.append(lookup)
-        chosen = _pick(options, self.tie_tolerance)
+        target = _Option("target", 0, self.target_rate(), self._verify(1))
+        drafter = self._drafter_options(num_pending, limit)
+        lookup = self._lookup_options(lookup_limit)
+        # one pick over every option, so that the tie rule does not depend on the order of comparison
+        chosen = _pick([target, *drafter, *lookup], self.tie_tolerance)
+        best_drafter = _pick(drafter, self.tie_tolerance) if drafter else None
+        best_lookup = _pick(lookup, self.tie_tolerance) if lookup else None
         explore = False
         if self.explore_every is not None:
             drafter_usable = self.draft_curve is not None and limit >= 1
@@ -920,9 +926,7 @@ class DraftPolicy:
             if chosen.source != "drafter" and drafter_usable and (
                 warm_drafter or self._since_drafter + 1 >= self._drafter_interval
             ):
-                seconds = self.draft_curve(num_pending + limit) + self._verify(limit + 1)
-                profile = self.calibrator.position_profile(limit)
-                chosen = _Option("drafter", limit, _rate(expected_tokens(profile, limit), seconds), seconds)
+                chosen = drafter[limit - 1]  # every allowed mask
                 explore = True
                 if not warm_drafter:
                     self._drafter_interval = min(
@@ -931,9 +935,7 @@ class DraftPolicy:
             elif chosen.source != "lookup" and lookup_limit > 0 and (
                 warm_lookup or self._since_lookup + 1 >= self._lookup_interval
             ):
-                seconds = self._verify(lookup_limit + 1)
-                p = [self.lookup_probability] * lookup_limit
-                chosen = _Option("lookup", lookup_limit, _rate(expected_tokens(p, lookup_limit), seconds), seconds)
+                chosen = lookup[lookup_limit - 1]  # every allowed lookup token
                 explore = True
                 if not warm_lookup:
                     self._lookup_interval = min(
@@ -950,9 +952,9 @@ class DraftPolicy:
             num_lookup=chosen.count if chosen.source == "lookup" else 0,
             num_pending=num_pending,
             explore=explore,
-            target_rate=self.target_rate(),
+            target_rate=target.rate,
             drafter_rate=None if best_drafter is None else best_drafter.rate,
-            lookup_rate=None if lookup is None else lookup.rate,
+            lookup_rate=None if best_lookup is None else best_lookup.rate,
             expected_rate=chosen.rate,
         )
 
