@@ -228,6 +228,9 @@ def test_choose_breaks_near_ties_towards_the_cheaper_verification():
     strict = DraftPolicy(verify, flat(0.5), max_drafts=15, explore_every=None, tie_tolerance=0.0)
     assert strict.choose(confidences, draft_seconds=0.0) == 2
     assert tolerant.choose(confidences, draft_seconds=0.0) == 1
+    # "cheaper" means fewer seconds, not fewer drafts: a measured curve may dip (docs/DESIGN.md section 9)
+    dipping = DraftPolicy(CostCurve({1: 1.0, 2: 1.101, 3: 1.1}), flat(0.5), max_drafts=15, explore_every=None)
+    assert dipping.choose([1.0, 0.0], draft_seconds=0.0) == 2
 
 
 def test_choose_uses_the_calibrated_probabilities():
@@ -599,6 +602,7 @@ HAND_MADE = [
     [3],  # too short
     [1, 2, 1, 2, 1, 2, 1],  # continuation runs into the suffix
     [9, 1, 2, 5, 1, 2, 6, 6, 2],  # only a 1-gram matches
+    [2, 7, 1, 2, 5, 9, 1, 2],  # with eos 5 the 2-gram's continuation is empty: no fall-back to the 1-gram
 ]
 
 
