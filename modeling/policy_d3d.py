@@ -582,6 +582,28 @@ class DraftPolicy:
     sees outcomes at every position); an exploration lookup round sends all allowed lookup tokens. The drafter
     warm-up is taken before lookup exploration when both are due.
 
+    **Masks and drafts.** A pass with `m` masks is `drafter.draft_logits(committed, cache, num_masks=m)` over
+    `num_pending + m` rows; it returns `m + 1` score rows, and the policy counts the first `m` as the round's drafts
+    (the last row, the guess one past the block, is left unused, as in the synchronous generator).
+
+    Example (one round of a candidate generator; `lookup` from `lookup_d3d.lookup_candidates`):
+
+        decision = policy.decide(num_pending=seq_len - cache_len, lookup_tokens=lookup.shape[1],
+                                 max_candidates=max_length - seq_len - 1)
+        if decision.source == "drafter":
+            start = time.perf_counter()
+            logits = drafter.draft_logits(committed, cache, num_masks=decision.num_masks)[0, :-1]
+            draft_seconds = time.perf_counter() - start
+            confidences = ...  # probability of each chosen draft token under its processed scores
+            k = policy.choose(confidences, draft_seconds, decision)  # send the first k drafts
+        elif decision.source == "lookup":
+            k = decision.num_lookup  # send lookup[:, :k]
+        else:
+            k = 0  # no candidates: a plain target step
+        ...  # after verification (transformers' update_candidate_strategy: num_matches accepted)
+        policy.observe_round(decision, num_sent=k, num_accepted=num_matches, confidences=confidences,
+                             draft_seconds=draft_seconds, verify_seconds=verify_seconds)
+
     Args:
         verify_curve (`CostCurve`, *optional*): target forward seconds by rows (`t_verify`); required in adaptive
             mode.
