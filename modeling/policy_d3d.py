@@ -1,7 +1,7 @@
 """Cost-aware drafting policy: how many drafts a round should verify, and from which source.
 
 Part of the self-contained remote-code bundle: imports only the Python standard library, torch and the public
-transformers API (and, inside `measure_cost_curves` only, the sibling `modeling_d3d`), so a checkpoint loaded with
+transformers API, so a checkpoint loaded with
 `trust_remote_code=True` can use it without d3d_hf installed.
 
 Why (d3d-hf docs/DESIGN.md section 9; the D3D method is arXiv 2611.06425, everything here is our design): the
@@ -24,465 +24,36 @@ The pieces:
 - `expected_tokens(p, k) = 1 + sum_{j<=k} prod_{i<=j} p_i`: committed tokens of a round sending `k` drafts.
 - `DraftPolicy`: `decide` (before a round: target step, drafter pass with `m` masks, or `k` lookup tokens),
   `choose` (after a draft pass: how many drafts to send), `observe_round` (after verification: learn).
-- `calibration_key`, `CalibrationStore`, `cpu_model`: the learned state kept per machine, model pair and dtype, in
-  memory and as JSON files under the user's cache folder.
-- `measure_cost_curves`: a short calibration of both curves for a target and a D3D drafter.
+
+Where the curves and the learned state come from (a short measurement, and a store per machine, model pair and
+dtype) is the sibling `calibration_d3d.py`.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import logging
 import math
-import os
-import platform
-import statistics
-import tempfile
-import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from .estimates_d3d import (
+    _MIN_SECONDS,
+    AcceptanceCalibrator,
+    CostCurve,
+    _as_floats,
+    _check_probabilities,
+    _check_seconds,
+    _is_int,
+    expected_tokens,
+)
+
 logger = logging.getLogger(__name__)
 
-#: Version of the JSON files `CalibrationStore` writes; a file of another version is ignored (and replaced).
-CALIBRATION_FORMAT_VERSION = 1
-#: Environment variable that overrides the cache folder of `CalibrationStore`.
-CACHE_ENV = "D3D_HF_CACHE"
 #: The sources a round can take its candidates from.
 SOURCES = ("target", "drafter", "lookup")
-#: CPU flags that change forward speed (recorded by `cpu_model` and in calibration keys).
-SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-#: Seconds below which a round's time is clamped when computing a rate (a zero-cost curve would divide by zero).
-_MIN_SECONDS = 1e-9
-#: Slack allowed on confidences just outside [0, 1] (float rounding of a softmax).
-_PROB_SLACK = 1e-4
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_seconds(seconds: Any, what: str) -> float:
-    try:
-        value = float(seconds)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be a number of seconds, got {seconds!r}.") from None
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{what} must be finite and >= 0 seconds, got {seconds!r}.")
-    return value
-
-
-def _as_floats(values: Sequence[float] | torch.Tensor) -> list[float]:
-    if isinstance(values, torch.Tensor):
-        return [float(v) for v in values.detach().flatten().tolist()]
-    return [float(v) for v in values]
-
-
-def _check_probabilities(values: Sequence[float] | torch.Tensor, what: str) -> list[float]:
-    """Floats in [0, 1] (values within `_PROB_SLACK` outside are clipped); ValueError otherwise."""
-    out = []
-    for value in _as_floats(values):
-        if not math.isfinite(value) or value < -_PROB_SLACK or value > 1 + _PROB_SLACK:
-            raise ValueError(f"{what} must be probabilities in [0, 1], got {value!r}.")
-        out.append(min(max(value, 0.0), 1.0))
-    return out
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Cost curves
-# --------------------------------------------------------------------------------------------------------------------
-
-
-class CostCurve:
-    r"""
-    Wall time (seconds) of one forward pass as a function of the number of new rows `q` it computes.
-
-    Built from measured points `{q: seconds}`. Between points the curve is piecewise linear; below the first point
-    it is flat (the first point's value); beyond the last point it is extrapolated linearly from the last two points
-    but never below the last point's value (more rows never cost less than the last measurement). A single point
-    gives a flat curve.
-
-    Args:
-        points (`Mapping[int, float]`):
-            Rows `q` (int >= 1) -> seconds (finite, >= 0).
-
-    Raises:
-        ValueError: if `points` is empty, a `q` is not an int >= 1, or a time is negative or not finite.
-
-    Example:
-        >>> curve = CostCurve({1: 0.0587, 2: 0.0960, 4: 0.1034, 8: 0.0977, 16: 0.1099})
-        >>> round(curve(3), 4)
-        0.0997
-    """
-
-    def __init__(self, points: Mapping[int, float]) -> None:
-        if not points:
-            raise ValueError("A CostCurve needs at least one measured point {rows: seconds}.")
-        self._points: dict[int, float] = {}
-        for q, seconds in points.items():
-            self._points[self._check_rows(q)] = _check_seconds(seconds, f"The time at q={q}")
-        self._xs = sorted(self._points)
-
-    @staticmethod
-    def _check_rows(q: Any) -> int:
-        if isinstance(q, float) and q.is_integer():
-            q = int(q)
-        if not _is_int(q) or q < 1:
-            raise ValueError(f"Rows `q` must be an int >= 1, got {q!r}.")
-        return q
-
-    @property
-    def points(self) -> dict[int, float]:
-        """A copy of the points `{q: seconds}`, sorted by `q`."""
-        return {q: self._points[q] for q in sorted(self._points)}
-
-    def __call__(self, q: float) -> float:
-        """Seconds of a forward over `q` new rows.
-
-        Args:
-            q (`float`): rows, >= 1 (fractional values interpolate).
-
-        Returns:
-            `float`: seconds, >= 0.
-
-        Raises:
-            ValueError: if `q` is below 1 or not finite.
-        """
-        q = float(q)
-        if not math.isfinite(q) or q < 1:
-            raise ValueError(f"Rows `q` must be finite and >= 1, got {q!r}.")
-        xs = self._xs
-        ys = [self._points[x] for x in xs]
-        if q <= xs[0]:
-            return ys[0]
-        if q >= xs[-1]:
-            if len(xs) == 1:
-                return ys[-1]
-            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-            return max(ys[-1], ys[-1] + slope * (q - xs[-1]))
-        for i in range(1, len(xs)):
-            if q <= xs[i]:
-                lo, hi = i - 1, i
-                break
-        return ys[lo] + (ys[hi] - ys[lo]) * (q - xs[lo]) / (xs[hi] - xs[lo])
-
-    def observe(self, q: int, seconds: float, weight: float = 0.2) -> None:
-        """Updates the curve with one measured forward (a real round's timing).
-
-        An existing point moves by an exponential moving average, `new = (1 - weight) * old + weight * seconds`; a new
-        `q` becomes a point with value `seconds`.
-
-        Args:
-            q (`int`): rows of the measured forward, >= 1.
-            seconds (`float`): its wall time, finite and >= 0.
-            weight (`float`, defaults to 0.2): weight of the new measurement, in (0, 1].
-
-        Raises:
-            ValueError: for a bad `q`, `seconds` or `weight`.
-        """
-        q = self._check_rows(q)
-        seconds = _check_seconds(seconds, "`seconds`")
-        weight = float(weight)
-        if not 0 < weight <= 1:
-            raise ValueError(f"`weight` must be in (0, 1], got {weight!r}.")
-        old = self._points.get(q)
-        self._points[q] = seconds if old is None else (1 - weight) * old + weight * seconds
-        if old is None:
-            self._xs = sorted(self._points)
-
-    def monotone(self) -> CostCurve:
-        """The running maximum of the points over increasing `q` (a curve on which more rows never cost less)."""
-        out, best = {}, 0.0
-        for q, seconds in self.points.items():
-            best = max(best, seconds)
-            out[q] = best
-        return CostCurve(out)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-safe state: `{"points": [[q, seconds], ...]}` sorted by `q`."""
-        return {"points": [[q, s] for q, s in self.points.items()]}
-
-    @classmethod
-    def from_dict(cls, state: Mapping[str, Any]) -> CostCurve:
-        """Inverse of `to_dict`.
-
-        Raises:
-            ValueError: if `state` is malformed.
-        """
-        try:
-            pairs = state["points"]
-            points = {pair[0]: pair[1] for pair in pairs}
-        except (KeyError, TypeError, IndexError):
-            raise ValueError(f"Not a CostCurve state: {state!r}.") from None
-        return cls(points)
-
-    def __repr__(self) -> str:
-        inner = ", ".join(f"{q}: {s * 1e3:.2f} ms" for q, s in self.points.items())
-        return f"CostCurve({{{inner}}})"
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Acceptance
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def expected_tokens(probabilities: Sequence[float] | torch.Tensor, k: int) -> float:
-    r"""
-    Committed tokens expected from a round that sends the first `k` drafts:
-
-        E[tokens] = 1 + sum_{j=1..k} prod_{i=1..j} p_i,
-
-    where `p_i` is the probability that draft `i` is accepted given drafts `1..i-1` were; the 1 is the target's
-    bonus token, which every round commits. Follows d3d-hf docs/DESIGN.md section 9 (our design).
-
-    Args:
-        probabilities (`Sequence[float]` or 1-D `torch.Tensor`): `p_1, p_2, ...`, each in [0, 1].
-        k (`int`): drafts sent, `0 <= k <= len(probabilities)`.
-
-    Returns:
-        `float` in `[1, k + 1]`.
-
-    Raises:
-        ValueError: if `k` is out of range or a probability is outside [0, 1].
-
-    Example:
-        >>> expected_tokens([0.5, 0.5], 2)
-        1.75
-    """
-    probs = _check_probabilities(probabilities, "`probabilities`")
-    if not _is_int(k) or not 0 <= k <= len(probs):
-        raise ValueError(f"`k` must be an int in [0, {len(probs)}], got {k!r}.")
-    total, reach = 1.0, 1.0
-    for p in probs[:k]:
-        reach *= p
-        total += reach
-    return total
-
-
-class AcceptanceCalibrator:
-    r"""
-    Maps a draft token's confidence to the probability that the target accepts it, and keeps a per-position profile
-    of acceptance for planning a draft pass before it runs (our design, d3d-hf docs/DESIGN.md section 9).
-
-    **Calibration.** The confidence `c` of a draft is its probability under the distribution it was chosen from (the
-    drafter's processed scores), in [0, 1]. Confidences fall into `num_bins` equal-width bins; bin `b` counts
-    accepted (`a_b`) and rejected (`r_b`) drafts, each observed given all earlier drafts of its round were accepted.
-    The calibrated probability is the posterior mean under a Beta prior centred on the draft's own confidence with
-    `prior_strength` pseudo-observations `s`:
-
-        p(c) = (a_b + s * c) / (a_b + r_b + s),
-
-    which is the identity before anything is observed and tends to the bin's observed acceptance rate. (Centring the
-    prior on `c` rather than on the bin's centre keeps the start exactly the identity.)
-
-    **Position profile.** Before a draft pass there are no confidences yet, so the number of masks to compute is
-    planned from `position_profile`: for draft position `j`, the probability that draft `j` is accepted given drafts
-    `1..j-1` were, without looking at confidences. It is a Beta-smoothed rate per position,
-
-        q_j = (A_j + s * q0_j) / (N_j + s),        q0_j = profile_prior * profile_decay ** (j - 1),
-
-    where `N_j` counts rounds that reached position `j` (drafts `1..j-1` accepted) and `A_j` those that also accepted
-    draft `j`. Observed outcomes count 1. Drafts that were computed but not sent after an all-accepted prefix (the
-    policy cut the round short) count *softly*, with the calibrated probabilities: reaching `j` with weight
-    `w = prod_{i<j} p(c_i)` over the unsent drafts before it, accepting with `w * p(c_j)`. This keeps the profile
-    unbiased by the cut (otherwise a later position would be seen only in confident rounds and look better than it
-    is). Counts fade by a factor `1 - 1 / profile_memory` per observed round, so the profile follows the text.
-
-    Args:
-        num_bins (`int`, defaults to 10): equal-width confidence bins.
-        prior_strength (`float`, defaults to 4.0): pseudo-observations `s` of both priors, > 0.
-        profile_prior (`float`, defaults to 0.6): prior acceptance of draft 1, in [0, 1].
-        profile_decay (`float`, defaults to 0.9): prior factor per further position, in [0, 1].
-        profile_memory (`float`, *optional*, defaults to 256.0): rounds over which profile counts fade (> 1);
-            `None` keeps them forever.
-
-    Raises:
-        ValueError: for out-of-range arguments.
-    """
-
-    def __init__(
-        self,
-        num_bins: int = 10,
-        prior_strength: float = 4.0,
-        profile_prior: float = 0.6,
-        profile_decay: float = 0.9,
-        profile_memory: float | None = 256.0,
-    ) -> None:
-        if not _is_int(num_bins) or num_bins < 1:
-            raise ValueError(f"`num_bins` must be an int >= 1, got {num_bins!r}.")
-        if not (math.isfinite(prior_strength) and prior_strength > 0):
-            raise ValueError(f"`prior_strength` must be > 0, got {prior_strength!r}.")
-        for name, value in (("profile_prior", profile_prior), ("profile_decay", profile_decay)):
-            if not (math.isfinite(value) and 0 <= value <= 1):
-                raise ValueError(f"`{name}` must be in [0, 1], got {value!r}.")
-        if profile_memory is not None and not (math.isfinite(profile_memory) and profile_memory > 1):
-            raise ValueError(f"`profile_memory` must be > 1 (or None), got {profile_memory!r}.")
-        self.num_bins = num_bins
-        self.prior_strength = float(prior_strength)
-        self.profile_prior = float(profile_prior)
-        self.profile_decay = float(profile_decay)
-        self.profile_memory = None if profile_memory is None else float(profile_memory)
-        self._accepted = [0.0] * num_bins
-        self._total = [0.0] * num_bins
-        self._profile_accepted: list[float] = []
-        self._profile_total: list[float] = []
-        self.num_observations = 0
-
-    def _bin(self, confidence: float) -> int:
-        return min(int(confidence * self.num_bins), self.num_bins - 1)
-
-    def probabilities(self, confidences: Sequence[float] | torch.Tensor) -> list[float]:
-        """Calibrated acceptance probabilities of drafts with these confidences.
-
-        Args:
-            confidences (`Sequence[float]` or 1-D `torch.Tensor`): each in [0, 1].
-
-        Returns:
-            `list[float]` of the same length, each in [0, 1].
-
-        Raises:
-            ValueError: if a confidence is outside [0, 1] or not finite.
-        """
-        out = []
-        s = self.prior_strength
-        for c in _check_probabilities(confidences, "Confidences"):
-            b = self._bin(c)
-            out.append((self._accepted[b] + s * c) / (self._total[b] + s))
-        return out
-
-    def _grow_profile(self, length: int) -> None:
-        while len(self._profile_total) < length:
-            self._profile_accepted.append(0.0)
-            self._profile_total.append(0.0)
-
-    def observe(
-        self, confidences: Sequence[float] | torch.Tensor, num_accepted: int, num_sent: int | None = None
-    ) -> None:
-        """Learns from one verified round.
-
-        The first `num_accepted` sent drafts were accepted; the next sent one (if any) was rejected; later drafts are
-        unobserved. Drafts beyond `num_sent` (computed, not sent) feed only the position profile, softly, when every
-        sent draft was accepted (see the class docstring).
-
-        Args:
-            confidences (`Sequence[float]` or 1-D `torch.Tensor`): confidences of the drafts the pass computed, in
-                order (at least the `num_sent` sent ones).
-            num_accepted (`int`): drafts the target accepted, `0 <= num_accepted <= num_sent`.
-            num_sent (`int`, *optional*): drafts sent for verification; defaults to `len(confidences)`.
-
-        Raises:
-            ValueError: for inconsistent counts or bad confidences.
-        """
-        conf = _check_probabilities(confidences, "Confidences")
-        sent = len(conf) if num_sent is None else num_sent
-        if not _is_int(sent) or not 0 <= sent <= len(conf):
-            raise ValueError(f"`num_sent` must be an int in [0, {len(conf)}] (the confidences given), got {sent!r}.")
-        if not _is_int(num_accepted) or not 0 <= num_accepted <= sent:
-            raise ValueError(f"`num_accepted` must be an int in [0, num_sent={sent}], got {num_accepted!r}.")
-        probs = self.probabilities(conf)  # the calibration before this round, for the soft counts
-        rejected = num_accepted < sent
-        for c in conf[:num_accepted]:
-            b = self._bin(c)
-            self._accepted[b] += 1.0
-            self._total[b] += 1.0
-        if rejected:
-            self._total[self._bin(conf[num_accepted])] += 1.0
-        if self.profile_memory is not None:
-            keep = 1.0 - 1.0 / self.profile_memory
-            self._profile_accepted = [a * keep for a in self._profile_accepted]
-            self._profile_total = [n * keep for n in self._profile_total]
-        self._grow_profile(len(conf))
-        for j in range(num_accepted):
-            self._profile_accepted[j] += 1.0
-            self._profile_total[j] += 1.0
-        if rejected:
-            self._profile_total[num_accepted] += 1.0
-        else:
-            reach = 1.0
-            for j in range(sent, len(conf)):
-                self._profile_total[j] += reach
-                self._profile_accepted[j] += reach * probs[j]
-                reach *= probs[j]
-        self.num_observations += 1
-
-    def position_profile(self, max_drafts: int) -> list[float]:
-        """Per-position acceptance `q_1 .. q_max_drafts` for planning before a draft pass (class docstring).
-
-        Args:
-            max_drafts (`int`): positions wanted, >= 0.
-
-        Returns:
-            `list[float]` of length `max_drafts`, each in [0, 1].
-
-        Raises:
-            ValueError: if `max_drafts` is negative.
-        """
-        if not _is_int(max_drafts) or max_drafts < 0:
-            raise ValueError(f"`max_drafts` must be an int >= 0, got {max_drafts!r}.")
-        s = self.prior_strength
-        out = []
-        for j in range(max_drafts):
-            prior = self.profile_prior * self.profile_decay**j
-            a = self._profile_accepted[j] if j < len(self._profile_accepted) else 0.0
-            n = self._profile_total[j] if j < len(self._profile_total) else 0.0
-            out.append((a + s * prior) / (n + s))
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-safe state (settings and counts)."""
-        return {
-            "num_bins": self.num_bins,
-            "prior_strength": self.prior_strength,
-            "profile_prior": self.profile_prior,
-            "profile_decay": self.profile_decay,
-            "profile_memory": self.profile_memory,
-            "accepted": list(self._accepted),
-            "total": list(self._total),
-            "profile_accepted": list(self._profile_accepted),
-            "profile_total": list(self._profile_total),
-            "num_observations": self.num_observations,
-        }
-
-    @classmethod
-    def from_dict(cls, state: Mapping[str, Any]) -> AcceptanceCalibrator:
-        """Inverse of `to_dict`.
-
-        Raises:
-            ValueError: if `state` is malformed (missing fields, wrong lengths, negative counts).
-        """
-        try:
-            out = cls(
-                num_bins=state["num_bins"],
-                prior_strength=state["prior_strength"],
-                profile_prior=state["profile_prior"],
-                profile_decay=state["profile_decay"],
-                profile_memory=state["profile_memory"],
-            )
-            names = ("accepted", "total", "profile_accepted", "profile_total")
-            lists = [[float(x) for x in state[name]] for name in names]
-            num_observations = int(state["num_observations"])
-        except (KeyError, TypeError):
-            raise ValueError("Not an AcceptanceCalibrator state.") from None
-        accepted, total, profile_accepted, profile_total = lists
-        if len(accepted) != out.num_bins or len(total) != out.num_bins or len(profile_accepted) != len(profile_total):
-            raise ValueError("AcceptanceCalibrator state: count lists of inconsistent lengths.")
-        for a, n in zip(accepted + profile_accepted, total + profile_total, strict=True):
-            if not (math.isfinite(a) and math.isfinite(n) and 0 <= a <= n + 1e-9):
-                raise ValueError("AcceptanceCalibrator state: counts must be finite with 0 <= accepted <= total.")
-        out._accepted, out._total = accepted, total
-        out._profile_accepted, out._profile_total = profile_accepted, profile_total
-        out.num_observations = max(num_observations, 0)
-        return out
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# The policy
-# --------------------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -785,9 +356,7 @@ class DraftPolicy:
         """`[expected_tokens(p, k) / (draft_seconds + t_verify(k + 1)) for k in 0..m]` with calibrated `p`."""
         draft_seconds = _check_seconds(draft_seconds, "`draft_seconds`")
         probs = self.calibrator.probabilities(confidences)
-        return [
-            _rate(expected_tokens(probs, k), draft_seconds + self._verify(k + 1)) for k in range(len(probs) + 1)
-        ]
+        return [_rate(expected_tokens(probs, k), draft_seconds + self._verify(k + 1)) for k in range(len(probs) + 1)]
 
     def choose(
         self,
@@ -893,9 +462,7 @@ class DraftPolicy:
 
     # ---- one round -----------------------------------------------------------------------------------------------
 
-    def decide(
-        self, num_pending: int, lookup_tokens: int = 0, max_candidates: int | None = None
-    ) -> RoundDecision:
+    def decide(self, num_pending: int, lookup_tokens: int = 0, max_candidates: int | None = None) -> RoundDecision:
         """Decides the next round (call once per round, before drafting; advances the exploration counters).
 
         Args:
@@ -918,15 +485,22 @@ class DraftPolicy:
         lookup_limit = lookup_tokens if max_candidates is None else min(lookup_tokens, max_candidates)
         target_rate = self.target_rate() if self.verify_curve is not None else 0.0
         if self.mode == "off" or (_is_int(self.mode) and limit == 0):
-            decision = RoundDecision("target", num_pending=num_pending, target_rate=target_rate,
-                                     expected_rate=target_rate)
+            decision = RoundDecision(
+                "target", num_pending=num_pending, target_rate=target_rate, expected_rate=target_rate
+            )
         elif _is_int(self.mode):
             m = min(self.mode, limit)
             rate = 0.0
             if self.draft_curve is not None and self.verify_curve is not None:
                 rate = self._drafter_options(num_pending, m)[-1].rate
-            decision = RoundDecision("drafter", num_masks=m, num_pending=num_pending, target_rate=target_rate,
-                                     drafter_rate=rate, expected_rate=rate)
+            decision = RoundDecision(
+                "drafter",
+                num_masks=m,
+                num_pending=num_pending,
+                target_rate=target_rate,
+                drafter_rate=rate,
+                expected_rate=rate,
+            )
         else:
             decision = self._decide_adaptive(num_pending, limit, lookup_limit)
         self._advance(decision, lookup_limit > 0)
@@ -945,8 +519,10 @@ class DraftPolicy:
             drafter_usable = self.draft_curve is not None and limit >= 1
             warm_drafter = self._drafter_rounds == 0 and self.calibrator.num_observations == 0
             warm_lookup = self._lookup_rounds == 0 and self._lookup_observations == 0
-            if chosen.source != "drafter" and drafter_usable and (
-                warm_drafter or self._since_drafter + 1 >= self._drafter_interval
+            if (
+                chosen.source != "drafter"
+                and drafter_usable
+                and (warm_drafter or self._since_drafter + 1 >= self._drafter_interval)
             ):
                 chosen = drafter[limit - 1]  # every allowed mask
                 explore = True
@@ -954,8 +530,10 @@ class DraftPolicy:
                     self._drafter_interval = min(
                         int(self._drafter_interval * self.explore_backoff), self.explore_max_interval
                     )
-            elif chosen.source != "lookup" and lookup_limit > 0 and (
-                warm_lookup or self._since_lookup + 1 >= self._lookup_interval
+            elif (
+                chosen.source != "lookup"
+                and lookup_limit > 0
+                and (warm_lookup or self._since_lookup + 1 >= self._lookup_interval)
             ):
                 chosen = lookup[lookup_limit - 1]  # every allowed lookup token
                 explore = True
@@ -1080,11 +658,11 @@ class DraftPolicy:
         self.verify_curve, self.draft_curve, self.calibrator = verify_curve, draft_curve, calibrator
         self._lookup_accepted, self._lookup_trials, self._lookup_observations = accepted, trials, observations
 
-    def save_to(self, store: CalibrationStore, key: str, parts: Mapping[str, Any] | None = None) -> str | None:
+    def save_to(self, store, key: str, parts: Mapping[str, Any] | None = None) -> str | None:
         """`store.save(key, self.state_dict(), parts)`; returns the file written (None if it could not be)."""
         return store.save(key, self.state_dict(), parts)
 
-    def restore_from(self, store: CalibrationStore, key: str) -> bool:
+    def restore_from(self, store, key: str) -> bool:
         """Loads the state saved under `key`; an absent or malformed state is ignored.
 
         Returns:
@@ -1106,373 +684,11 @@ class DraftPolicy:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
-def _cpu_model_cached() -> tuple[str, frozenset[str]]:
-    name, flags = "", frozenset()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                field, _, value = line.partition(":")
-                field = field.strip()
-                if field == "model name" and not name:
-                    name = value.strip()
-                elif field in ("flags", "Features") and not flags:
-                    flags = frozenset(value.split())
-                if name and flags:
-                    break
-    except OSError:
-        pass
-    return name or platform.processor() or platform.machine() or "unknown", flags
-
-
-def cpu_model() -> dict[str, Any]:
-    """The CPU's model name and the instruction-set flags that change forward speed.
-
-    Reads `/proc/cpuinfo` on Linux (first `model name` and `flags` lines), else `platform.processor()`; flags it
-    cannot read are reported absent. Cached for the process.
-
-    Returns:
-        `dict`: `{"model": str, "avx2": bool, "avx512f": bool, "avx512_bf16": bool, "amx_bf16": bool,
-        "amx_tile": bool}`.
-    """
-    name, flags = _cpu_model_cached()
-    return {"model": name, **{flag: flag in flags for flag in SPEED_FLAGS}}
-
-
-def _cpu_string() -> str:
-    info = cpu_model()
-    present = [flag for flag in SPEED_FLAGS if info[flag]]
-    return f"{info['model']} [{' '.join(present)}]"
-
-
-def config_fingerprint(config: Any) -> str:
-    """A short stable hash of a model config (a transformers `PretrainedConfig` or a dict).
-
-    Fields that do not change the computation are left out: names and paths (`_name_or_path`, `name_or_path`),
-    `transformers_version`, `_commit_hash`, `architectures`, and `dtype`/`torch_dtype` (the dtype is its own part of
-    `calibration_key`).
-
-    Returns:
-        `str`: 16 hex digits.
-    """
-    data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    ignored = {"_name_or_path", "name_or_path", "transformers_version", "_commit_hash", "architectures", "dtype",
-               "torch_dtype"}
-    data = {k: v for k, v in data.items() if k not in ignored}
-    blob = json.dumps(data, sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def calibration_key(
-    *,
-    target: str,
-    target_config: str = "",
-    drafter: str = "",
-    drafter_config: str = "",
-    dtype: Any = "float32",
-    threads: int | None = None,
-    device: Any = "cpu",
-    cpu: str | None = None,
-    torch_version: str | None = None,
-    **extra: Any,
-) -> str:
-    """A stable key for one calibration: the same models, numerics and machine give the same key.
-
-    Args:
-        target (`str`): the target's name (e.g. its hub id or `name_or_path`).
-        target_config (`str`): a fingerprint of its config (`config_fingerprint`).
-        drafter (`str`): the drafter's name ("" without a drafter).
-        drafter_config (`str`): a fingerprint of its config (block size, layers, adapters, ...).
-        dtype (`str` or `torch.dtype`, defaults to `"float32"`): the compute dtype.
-        threads (`int`, *optional*): torch's intra-op threads; defaults to `torch.get_num_threads()`.
-        device (`str` or `torch.device`, defaults to `"cpu"`): the device the models run on (e.g. `"cuda:0"`).
-        cpu (`str`, *optional*): the CPU model and speed flags; defaults to `cpu_model()`'s.
-        torch_version (`str`, *optional*): defaults to `torch.__version__`.
-        **extra: further parts (JSON-serialisable or `str()`-able), e.g. a kernel setting.
-
-    Returns:
-        `str`: 24 hex digits (a SHA-256 prefix of the parts as sorted JSON), safe as a file name.
-    """
-    parts = {
-        "target": target,
-        "target_config": target_config,
-        "drafter": drafter,
-        "drafter_config": drafter_config,
-        "dtype": str(dtype).replace("torch.", ""),
-        "threads": torch.get_num_threads() if threads is None else int(threads),
-        "device": str(device),
-        "cpu": _cpu_string() if cpu is None else cpu,
-        "torch": torch.__version__ if torch_version is None else torch_version,
-        **extra,
-    }
-    blob = json.dumps(parts, sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
-
-
-def default_cache_dir() -> str:
-    """`$D3D_HF_CACHE/cost_curves` if set, else `$XDG_CACHE_HOME/d3d_hf/cost_curves` or
-    `~/.cache/d3d_hf/cost_curves` (resolved on each call)."""
-    base = os.environ.get(CACHE_ENV)
-    if not base:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        base = os.path.join(xdg, "d3d_hf")
-    return os.path.join(base, "cost_curves")
-
-
-#: In-memory states, `(folder, key) -> JSON text` (shared by every `CalibrationStore` of the process).
-_MEMORY: dict[tuple[str, str], str] = {}
-
-
-class CalibrationStore:
-    """Learned policy states (cost curves, calibrator, lookup estimate) by `calibration_key`, in memory and on disk.
-
-    Each key is one JSON file `<folder>/<key>.json`:
-    `{"format_version": 1, "key": ..., "parts": {...}, "saved_at": <unix seconds>, "state": {...}}`, written
-    atomically (a temporary file in the same folder, then `os.replace`). Loading prefers the in-memory copy (a
-    module-level dict keyed by folder and key), then the file. A file that cannot be read or parsed, or that has
-    another `format_version` or key, is ignored (and replaced by the next `save`): never an error. A failed write
-    warns through `logging` and returns `None`: calibration is an optimisation, never a reason to stop decoding.
-
-    Args:
-        folder (`str`, *optional*): defaults to `default_cache_dir()` (resolved when the store is created).
-    """
-
-    def __init__(self, folder: str | None = None) -> None:
-        self.folder = os.path.abspath(folder or default_cache_dir())
-
-    def path(self, key: str) -> str:
-        """The file of `key`.
-
-        Raises:
-            ValueError: if `key` is not a plain file-name-safe string.
-        """
-        if not key or not all(ch.isalnum() or ch in "-_" for ch in key):
-            raise ValueError(
-                f"A calibration key must be letters, digits, '-' or '_' (see calibration_key), got {key!r}."
-            )
-        return os.path.join(self.folder, f"{key}.json")
-
-    def load(self, key: str) -> dict[str, Any] | None:
-        """The state saved under `key` (a fresh copy), or `None` if there is none usable."""
-        path = self.path(key)
-        text = _MEMORY.get((self.folder, key))
-        if text is not None:
-            return json.loads(text)
-        try:
-            with open(path, encoding="utf-8") as f:
-                record = json.load(f)
-        except (OSError, ValueError, UnicodeDecodeError):
-            return None
-        if (
-            not isinstance(record, dict)
-            or record.get("format_version") != CALIBRATION_FORMAT_VERSION
-            or record.get("key") != key
-            or not isinstance(record.get("state"), dict)
-        ):
-            logger.info("Ignoring %s: not a calibration file of format version %d.", path, CALIBRATION_FORMAT_VERSION)
-            return None
-        _MEMORY[(self.folder, key)] = json.dumps(record["state"])
-        return record["state"]
-
-    def save(self, key: str, state: Mapping[str, Any], parts: Mapping[str, Any] | None = None) -> str | None:
-        """Keeps `state` in memory and writes it to disk atomically.
-
-        Args:
-            key (`str`): from `calibration_key`.
-            state (`Mapping`): JSON-serialisable (e.g. `DraftPolicy.state_dict()`).
-            parts (`Mapping`, *optional*): the key's parts, stored for people reading the file.
-
-        Returns:
-            `str`: the file written, or `None` if writing failed (the state is still kept in memory).
-
-        Raises:
-            ValueError: for a bad key, or a state that is not JSON-serialisable.
-        """
-        path = self.path(key)
-        try:
-            text = json.dumps(dict(state))
-        except TypeError as err:
-            raise ValueError(f"The calibration state is not JSON-serialisable: {err}") from None
-        _MEMORY[(self.folder, key)] = text
-        record = {
-            "format_version": CALIBRATION_FORMAT_VERSION,
-            "key": key,
-            "parts": {k: str(v) for k, v in (parts or {}).items()},
-            "saved_at": time.time(),
-            "state": json.loads(text),
-        }
-        tmp = None
-        try:
-            os.makedirs(self.folder, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=self.folder)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(record, f, indent=1)
-            os.replace(tmp, path)
-        except OSError as err:
-            logger.warning("Could not save the calibration to %s: %s", path, err)
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)
-            return None
-        return path
-
-    def forget(self, key: str | None = None) -> None:
-        """Drops the in-memory copy of `key` (every key of this folder when `None`); files are kept."""
-        for mem_key in list(_MEMORY):
-            if mem_key[0] == self.folder and (key is None or mem_key[1] == key):
-                del _MEMORY[mem_key]
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Measurement
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def _median_seconds(fn, reset, repeats: int, sync) -> float:
-    fn()  # warm-up
-    reset()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-        reset()
-    return statistics.median(times)
-
-
-def _device_of(model) -> torch.device:
-    return next(model.parameters()).device
-
-
-def measure_cost_curves(
-    target,
-    drafter,
-    rows: Iterable[int] = (1, 2, 4, 8, 16),
-    context_length: int = 128,
-    repeats: int = 3,
-    device: torch.device | str | None = None,
-    *,
-    seed: int = 0,
-    monotone: bool = True,
-) -> tuple[CostCurve, CostCurve]:
-    r"""
-    A short calibration of `t_verify` and `t_draft` on the machine at hand (seconds by new rows).
-
-    Builds a random context of `context_length` token ids (timing does not depend on their values), then:
-
-    - target: prefills a `transformers.DynamicCache` with the context once, and times forwards of `q` new rows
-      (`target(input_ids, cache=cache, use_cache=True)`, as a verification of `q - 1` drafts; transformers 5.24
-      deprecates the older name `past_key_values`), cropping the cache back to the context after each (transformers
-      5.24 crops by a negative count of tokens to remove: `cache.crop(context_length)` raises);
-    - drafter: prefills a `D3DCache` with the context, and times draft passes of `q` rows, 1 committed token plus
-      `q - 1` masks (`drafter.draft_logits(committed_ids, cache, num_masks=q - 1)`), cropping back after each.
-
-    Each time is the median of `repeats` after one warm-up call, under `torch.no_grad()` with both models in eval
-    mode (their previous modes are restored). On CUDA the device is synchronised around each call. A drafter that
-    shares its target's weights gets them attached first. Rows above the drafter's block size time a longer block.
-
-    Args:
-        target (`PreTrainedModel`): the causal LM to verify with.
-        drafter (`D3DForDiffusionDrafting`): the D3D drafter.
-        rows (`Iterable[int]`, defaults to `(1, 2, 4, 8, 16)`): the `q` to time, each >= 1.
-        context_length (`int`, defaults to 128): cached tokens before each timed forward, >= 1.
-        repeats (`int`, defaults to 3): timed calls per point, >= 1.
-        device (`torch.device` or `str`, *optional*): where the token ids are created; defaults to each model's
-            own device.
-        seed (`int`, defaults to 0): seed of the random context.
-        monotone (`bool`, defaults to `True`): return `CostCurve.monotone()` of the measurements (more rows never
-            cheaper), which removes timing noise of a few repeats at the price of hiding a real dip (a faster
-            kernel path for some row counts, docs/DESIGN.md section 9); `False` returns the raw medians.
-
-    Returns:
-        `tuple[CostCurve, CostCurve]`: `(verify_curve, draft_curve)`.
-
-    Raises:
-        ValueError: for empty or bad `rows`, `context_length < 1` or `repeats < 1`.
-    """
-    from transformers import DynamicCache
-
-    from .modeling_d3d import D3DCache  # deferred: no sibling import at module import time
-
-    rows = sorted({CostCurve._check_rows(q) for q in rows})
-    if not rows:
-        raise ValueError("`rows` must name at least one row count.")
-    if not _is_int(context_length) or context_length < 1:
-        raise ValueError(f"`context_length` must be an int >= 1, got {context_length!r}.")
-    if not _is_int(repeats) or repeats < 1:
-        raise ValueError(f"`repeats` must be an int >= 1, got {repeats!r}.")
-    if getattr(drafter.config, "shares_target_weights", False) and getattr(drafter, "_attached_target", None) is None:
-        drafter.attach_target_weights(target)
-    target_device = torch.device(device) if device is not None else _device_of(target)
-    drafter_device = torch.device(device) if device is not None else _device_of(drafter)
-    cuda = [d for d in (target_device, drafter_device) if d.type == "cuda"]
-
-    def sync() -> None:
-        for d in cuda:
-            torch.cuda.synchronize(d)
-
-    generator = torch.Generator().manual_seed(seed)
-    vocab = min(target.config.get_text_config().vocab_size, drafter.config.vocab_size)
-
-    def random_ids(length: int) -> torch.LongTensor:
-        return torch.randint(0, vocab, (1, length), generator=generator)
-
-    context = random_ids(context_length)
-    modes = (target.training, drafter.training)
-    target.eval()
-    drafter.eval()
-    verify, draft = {}, {}
-    try:
-        with torch.no_grad():
-            cache = DynamicCache(config=target.config)
-            target(input_ids=context.to(target_device), cache=cache, use_cache=True)
-
-            def crop_target() -> None:
-                extra = cache.get_seq_length() - context_length
-                if extra > 0:
-                    cache.crop(-extra)
-
-            drafter_cache = D3DCache()
-            drafter.draft_logits(context.to(drafter_device), drafter_cache, num_masks=0)
-            for q in rows:
-                ids = random_ids(q).to(target_device)
-                verify[q] = _median_seconds(
-                    lambda ids=ids: target(input_ids=ids, cache=cache, use_cache=True),
-                    crop_target,
-                    repeats,
-                    sync,
-                )
-                committed = random_ids(1).to(drafter_device)
-                draft[q] = _median_seconds(
-                    lambda committed=committed, q=q: drafter.draft_logits(committed, drafter_cache, num_masks=q - 1),
-                    lambda: drafter_cache.crop(context_length),
-                    repeats,
-                    sync,
-                )
-    finally:
-        target.train(modes[0])
-        drafter.train(modes[1])
-    verify_curve, draft_curve = CostCurve(verify), CostCurve(draft)
-    if monotone:
-        verify_curve, draft_curve = verify_curve.monotone(), draft_curve.monotone()
-    return verify_curve, draft_curve
-
-
 __all__ = [
-    "CACHE_ENV",
-    "CALIBRATION_FORMAT_VERSION",
     "SOURCES",
-    "SPEED_FLAGS",
     "AcceptanceCalibrator",
-    "CalibrationStore",
     "CostCurve",
     "DraftPolicy",
     "RoundDecision",
-    "calibration_key",
-    "config_fingerprint",
-    "cpu_model",
-    "default_cache_dir",
     "expected_tokens",
-    "measure_cost_curves",
 ]

@@ -1,4 +1,5 @@
-"""The cost-aware drafting policy (modeling/policy_d3d.py) and prompt lookup (modeling/lookup_d3d.py).
+"""The cost-aware drafting policy (modeling/policy_d3d.py, estimates_d3d.py, calibration_d3d.py) and prompt lookup
+(modeling/lookup_d3d.py).
 
 Synthetic cost curves and acceptance only, except one short timing of a tiny random Llama target and its drafter;
 no timing is asserted beyond positivity and the monotone envelope.
@@ -11,21 +12,18 @@ import os
 import pytest
 import torch
 from _tiny import tiny_target
-from d3d_hf.modeling.lookup_d3d import lookup_candidates
-from d3d_hf.modeling.policy_d3d import (
+from d3d_hf.modeling.calibration_d3d import (
     CALIBRATION_FORMAT_VERSION,
-    AcceptanceCalibrator,
     CalibrationStore,
-    CostCurve,
-    DraftPolicy,
-    RoundDecision,
     calibration_key,
     config_fingerprint,
     cpu_model,
     default_cache_dir,
-    expected_tokens,
     measure_cost_curves,
 )
+from d3d_hf.modeling.estimates_d3d import AcceptanceCalibrator, CostCurve, expected_tokens
+from d3d_hf.modeling.lookup_d3d import lookup_candidates
+from d3d_hf.modeling.policy_d3d import DraftPolicy, RoundDecision
 from transformers.generation import PromptLookupCandidateGenerator
 
 from d3d_hf import D3DForDiffusionDrafting

@@ -1,0 +1,410 @@
+"""Calibration of the cost-aware drafting policy (`policy_d3d.py`): the machine it runs on (`cpu_model`), a key per
+machine, model pair, dtype and threads (`calibration_key`), the store that keeps the learned state in memory and as
+JSON files under the user's cache folder (`CalibrationStore`), and the short measurement of both cost curves for a
+target and a D3D drafter (`measure_cost_curves`; d3d-hf docs/DESIGN.md section 9).
+
+Part of the self-contained remote-code bundle: imports only the Python standard library, torch, the public
+transformers API and the sibling `policy_d3d` (and, inside `measure_cost_curves` only, `drafting_d3d`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from .estimates_d3d import CostCurve, _is_int
+
+logger = logging.getLogger(__name__)
+
+#: Version of the JSON files `CalibrationStore` writes; a file of another version is ignored (and replaced).
+CALIBRATION_FORMAT_VERSION = 1
+
+#: Environment variable that overrides the cache folder of `CalibrationStore`.
+CACHE_ENV = "D3D_HF_CACHE"
+
+#: CPU flags that change forward speed (recorded by `cpu_model` and in calibration keys).
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_model_cached() -> tuple[str, frozenset[str]]:
+    name, flags = "", frozenset()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                field, _, value = line.partition(":")
+                field = field.strip()
+                if field == "model name" and not name:
+                    name = value.strip()
+                elif field in ("flags", "Features") and not flags:
+                    flags = frozenset(value.split())
+                if name and flags:
+                    break
+    except OSError:
+        pass
+    return name or platform.processor() or platform.machine() or "unknown", flags
+
+
+def cpu_model() -> dict[str, Any]:
+    """The CPU's model name and the instruction-set flags that change forward speed.
+
+    Reads `/proc/cpuinfo` on Linux (first `model name` and `flags` lines), else `platform.processor()`; flags it
+    cannot read are reported absent. Cached for the process.
+
+    Returns:
+        `dict`: `{"model": str, "avx2": bool, "avx512f": bool, "avx512_bf16": bool, "amx_bf16": bool,
+        "amx_tile": bool}`.
+    """
+    name, flags = _cpu_model_cached()
+    return {"model": name, **{flag: flag in flags for flag in SPEED_FLAGS}}
+
+
+def _cpu_string() -> str:
+    info = cpu_model()
+    present = [flag for flag in SPEED_FLAGS if info[flag]]
+    return f"{info['model']} [{' '.join(present)}]"
+
+
+def config_fingerprint(config: Any) -> str:
+    """A short stable hash of a model config (a transformers `PretrainedConfig` or a dict).
+
+    Fields that do not change the computation are left out: names and paths (`_name_or_path`, `name_or_path`),
+    `transformers_version`, `_commit_hash`, `architectures`, and `dtype`/`torch_dtype` (the dtype is its own part of
+    `calibration_key`).
+
+    Returns:
+        `str`: 16 hex digits.
+    """
+    data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    ignored = {
+        "_name_or_path",
+        "name_or_path",
+        "transformers_version",
+        "_commit_hash",
+        "architectures",
+        "dtype",
+        "torch_dtype",
+    }
+    data = {k: v for k, v in data.items() if k not in ignored}
+    blob = json.dumps(data, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def calibration_key(
+    *,
+    target: str,
+    target_config: str = "",
+    drafter: str = "",
+    drafter_config: str = "",
+    dtype: Any = "float32",
+    threads: int | None = None,
+    device: Any = "cpu",
+    cpu: str | None = None,
+    torch_version: str | None = None,
+    **extra: Any,
+) -> str:
+    """A stable key for one calibration: the same models, numerics and machine give the same key.
+
+    Args:
+        target (`str`): the target's name (e.g. its hub id or `name_or_path`).
+        target_config (`str`): a fingerprint of its config (`config_fingerprint`).
+        drafter (`str`): the drafter's name ("" without a drafter).
+        drafter_config (`str`): a fingerprint of its config (block size, layers, adapters, ...).
+        dtype (`str` or `torch.dtype`, defaults to `"float32"`): the compute dtype.
+        threads (`int`, *optional*): torch's intra-op threads; defaults to `torch.get_num_threads()`.
+        device (`str` or `torch.device`, defaults to `"cpu"`): the device the models run on (e.g. `"cuda:0"`).
+        cpu (`str`, *optional*): the CPU model and speed flags; defaults to `cpu_model()`'s.
+        torch_version (`str`, *optional*): defaults to `torch.__version__`.
+        **extra: further parts (JSON-serialisable or `str()`-able), e.g. a kernel setting.
+
+    Returns:
+        `str`: 24 hex digits (a SHA-256 prefix of the parts as sorted JSON), safe as a file name.
+    """
+    parts = {
+        "target": target,
+        "target_config": target_config,
+        "drafter": drafter,
+        "drafter_config": drafter_config,
+        "dtype": str(dtype).replace("torch.", ""),
+        "threads": torch.get_num_threads() if threads is None else int(threads),
+        "device": str(device),
+        "cpu": _cpu_string() if cpu is None else cpu,
+        "torch": torch.__version__ if torch_version is None else torch_version,
+        **extra,
+    }
+    blob = json.dumps(parts, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def default_cache_dir() -> str:
+    """`$D3D_HF_CACHE/cost_curves` if set, else `$XDG_CACHE_HOME/d3d_hf/cost_curves` or
+    `~/.cache/d3d_hf/cost_curves` (resolved on each call)."""
+    base = os.environ.get(CACHE_ENV)
+    if not base:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        base = os.path.join(xdg, "d3d_hf")
+    return os.path.join(base, "cost_curves")
+
+
+#: In-memory states, `(folder, key) -> JSON text` (shared by every `CalibrationStore` of the process).
+_MEMORY: dict[tuple[str, str], str] = {}
+
+
+class CalibrationStore:
+    """Learned policy states (cost curves, calibrator, lookup estimate) by `calibration_key`, in memory and on disk.
+
+    Each key is one JSON file `<folder>/<key>.json`:
+    `{"format_version": 1, "key": ..., "parts": {...}, "saved_at": <unix seconds>, "state": {...}}`, written
+    atomically (a temporary file in the same folder, then `os.replace`). Loading prefers the in-memory copy (a
+    module-level dict keyed by folder and key), then the file. A file that cannot be read or parsed, or that has
+    another `format_version` or key, is ignored (and replaced by the next `save`): never an error. A failed write
+    warns through `logging` and returns `None`: calibration is an optimisation, never a reason to stop decoding.
+
+    Args:
+        folder (`str`, *optional*): defaults to `default_cache_dir()` (resolved when the store is created).
+    """
+
+    def __init__(self, folder: str | None = None) -> None:
+        self.folder = os.path.abspath(folder or default_cache_dir())
+
+    def path(self, key: str) -> str:
+        """The file of `key`.
+
+        Raises:
+            ValueError: if `key` is not a plain file-name-safe string.
+        """
+        if not key or not all(ch.isalnum() or ch in "-_" for ch in key):
+            raise ValueError(
+                f"A calibration key must be letters, digits, '-' or '_' (see calibration_key), got {key!r}."
+            )
+        return os.path.join(self.folder, f"{key}.json")
+
+    def load(self, key: str) -> dict[str, Any] | None:
+        """The state saved under `key` (a fresh copy), or `None` if there is none usable."""
+        path = self.path(key)
+        text = _MEMORY.get((self.folder, key))
+        if text is not None:
+            return json.loads(text)
+        try:
+            with open(path, encoding="utf-8") as f:
+                record = json.load(f)
+        except (OSError, ValueError, UnicodeDecodeError):
+            return None
+        if (
+            not isinstance(record, dict)
+            or record.get("format_version") != CALIBRATION_FORMAT_VERSION
+            or record.get("key") != key
+            or not isinstance(record.get("state"), dict)
+        ):
+            logger.info("Ignoring %s: not a calibration file of format version %d.", path, CALIBRATION_FORMAT_VERSION)
+            return None
+        _MEMORY[(self.folder, key)] = json.dumps(record["state"])
+        return record["state"]
+
+    def save(self, key: str, state: Mapping[str, Any], parts: Mapping[str, Any] | None = None) -> str | None:
+        """Keeps `state` in memory and writes it to disk atomically.
+
+        Args:
+            key (`str`): from `calibration_key`.
+            state (`Mapping`): JSON-serialisable (e.g. `DraftPolicy.state_dict()`).
+            parts (`Mapping`, *optional*): the key's parts, stored for people reading the file.
+
+        Returns:
+            `str`: the file written, or `None` if writing failed (the state is still kept in memory).
+
+        Raises:
+            ValueError: for a bad key, or a state that is not JSON-serialisable.
+        """
+        path = self.path(key)
+        try:
+            text = json.dumps(dict(state))
+        except TypeError as err:
+            raise ValueError(f"The calibration state is not JSON-serialisable: {err}") from None
+        _MEMORY[(self.folder, key)] = text
+        record = {
+            "format_version": CALIBRATION_FORMAT_VERSION,
+            "key": key,
+            "parts": {k: str(v) for k, v in (parts or {}).items()},
+            "saved_at": time.time(),
+            "state": json.loads(text),
+        }
+        tmp = None
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=self.folder)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(record, f, indent=1)
+            os.replace(tmp, path)
+        except OSError as err:
+            logger.warning("Could not save the calibration to %s: %s", path, err)
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+            return None
+        return path
+
+    def forget(self, key: str | None = None) -> None:
+        """Drops the in-memory copy of `key` (every key of this folder when `None`); files are kept."""
+        for mem_key in list(_MEMORY):
+            if mem_key[0] == self.folder and (key is None or mem_key[1] == key):
+                del _MEMORY[mem_key]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Measurement
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _median_seconds(fn, reset, repeats: int, sync) -> float:
+    fn()  # warm-up
+    reset()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+        reset()
+    return statistics.median(times)
+
+
+def _device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def measure_cost_curves(
+    target,
+    drafter,
+    rows: Iterable[int] = (1, 2, 4, 8, 16),
+    context_length: int = 128,
+    repeats: int = 3,
+    device: torch.device | str | None = None,
+    *,
+    seed: int = 0,
+    monotone: bool = True,
+) -> tuple[CostCurve, CostCurve]:
+    r"""
+    A short calibration of `t_verify` and `t_draft` on the machine at hand (seconds by new rows).
+
+    Builds a random context of `context_length` token ids (timing does not depend on their values), then:
+
+    - target: prefills a `transformers.DynamicCache` with the context once, and times forwards of `q` new rows
+      (`target(input_ids, cache=cache, use_cache=True)`, as a verification of `q - 1` drafts; transformers 5.24
+      deprecates the older name `past_key_values`), cropping the cache back to the context after each (transformers
+      5.24 crops by a negative count of tokens to remove: `cache.crop(context_length)` raises);
+    - drafter: prefills a `D3DCache` with the context, and times draft passes of `q` rows, 1 committed token plus
+      `q - 1` masks (`drafter.draft_logits(committed_ids, cache, num_masks=q - 1)`), cropping back after each.
+
+    Each time is the median of `repeats` after one warm-up call, under `torch.no_grad()` with both models in eval
+    mode (their previous modes are restored). On CUDA the device is synchronised around each call. A drafter that
+    shares its target's weights gets them attached first. Rows above the drafter's block size time a longer block.
+
+    Args:
+        target (`PreTrainedModel`): the causal LM to verify with.
+        drafter (`D3DForDiffusionDrafting`): the D3D drafter.
+        rows (`Iterable[int]`, defaults to `(1, 2, 4, 8, 16)`): the `q` to time, each >= 1.
+        context_length (`int`, defaults to 128): cached tokens before each timed forward, >= 1.
+        repeats (`int`, defaults to 3): timed calls per point, >= 1.
+        device (`torch.device` or `str`, *optional*): where the token ids are created; defaults to each model's
+            own device.
+        seed (`int`, defaults to 0): seed of the random context.
+        monotone (`bool`, defaults to `True`): return `CostCurve.monotone()` of the measurements (more rows never
+            cheaper), which removes timing noise of a few repeats at the price of hiding a real dip (a faster
+            kernel path for some row counts, docs/DESIGN.md section 9); `False` returns the raw medians.
+
+    Returns:
+        `tuple[CostCurve, CostCurve]`: `(verify_curve, draft_curve)`.
+
+    Raises:
+        ValueError: for empty or bad `rows`, `context_length < 1` or `repeats < 1`.
+    """
+    from transformers import DynamicCache
+
+    from .drafting_d3d import D3DCache  # deferred: no sibling import at module import time
+
+    rows = sorted({CostCurve._check_rows(q) for q in rows})
+    if not rows:
+        raise ValueError("`rows` must name at least one row count.")
+    if not _is_int(context_length) or context_length < 1:
+        raise ValueError(f"`context_length` must be an int >= 1, got {context_length!r}.")
+    if not _is_int(repeats) or repeats < 1:
+        raise ValueError(f"`repeats` must be an int >= 1, got {repeats!r}.")
+    if getattr(drafter.config, "shares_target_weights", False) and getattr(drafter, "_attached_target", None) is None:
+        drafter.attach_target_weights(target)
+    target_device = torch.device(device) if device is not None else _device_of(target)
+    drafter_device = torch.device(device) if device is not None else _device_of(drafter)
+    cuda = [d for d in (target_device, drafter_device) if d.type == "cuda"]
+
+    def sync() -> None:
+        for d in cuda:
+            torch.cuda.synchronize(d)
+
+    generator = torch.Generator().manual_seed(seed)
+    vocab = min(target.config.get_text_config().vocab_size, drafter.config.vocab_size)
+
+    def random_ids(length: int) -> torch.LongTensor:
+        return torch.randint(0, vocab, (1, length), generator=generator)
+
+    context = random_ids(context_length)
+    modes = (target.training, drafter.training)
+    target.eval()
+    drafter.eval()
+    verify, draft = {}, {}
+    try:
+        with torch.no_grad():
+            cache = DynamicCache(config=target.config)
+            target(input_ids=context.to(target_device), cache=cache, use_cache=True)
+
+            def crop_target() -> None:
+                extra = cache.get_seq_length() - context_length
+                if extra > 0:
+                    cache.crop(-extra)
+
+            drafter_cache = D3DCache()
+            drafter.draft_logits(context.to(drafter_device), drafter_cache, num_masks=0)
+            for q in rows:
+                ids = random_ids(q).to(target_device)
+                verify[q] = _median_seconds(
+                    lambda ids=ids: target(input_ids=ids, cache=cache, use_cache=True),
+                    crop_target,
+                    repeats,
+                    sync,
+                )
+                committed = random_ids(1).to(drafter_device)
+                draft[q] = _median_seconds(
+                    lambda committed=committed, q=q: drafter.draft_logits(committed, drafter_cache, num_masks=q - 1),
+                    lambda: drafter_cache.crop(context_length),
+                    repeats,
+                    sync,
+                )
+    finally:
+        target.train(modes[0])
+        drafter.train(modes[1])
+    verify_curve, draft_curve = CostCurve(verify), CostCurve(draft)
+    if monotone:
+        verify_curve, draft_curve = verify_curve.monotone(), draft_curve.monotone()
+    return verify_curve, draft_curve
+
+
+__all__ = [
+    "CACHE_ENV",
+    "CALIBRATION_FORMAT_VERSION",
+    "SPEED_FLAGS",
+    "CalibrationStore",
+    "calibration_key",
+    "config_fingerprint",
+    "cpu_model",
+    "default_cache_dir",
+    "measure_cost_curves",
+]

@@ -1,0 +1,444 @@
+"""The estimates the cost-aware drafting policy (`policy_d3d.py`) decides from: forward cost curves (`CostCurve`),
+the calibration of the drafter's confidences against real acceptance (`AcceptanceCalibrator`) and the expected
+committed tokens of a round (`expected_tokens`); d3d-hf docs/DESIGN.md section 9, our design.
+
+Part of the self-contained remote-code bundle: imports only the Python standard library and torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+#: Seconds below which a round's time is clamped when computing a rate (a zero-cost curve would divide by zero).
+_MIN_SECONDS = 1e-9
+#: Slack allowed on confidences just outside [0, 1] (float rounding of a softmax).
+_PROB_SLACK = 1e-4
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_seconds(seconds: Any, what: str) -> float:
+    try:
+        value = float(seconds)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number of seconds, got {seconds!r}.") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} must be finite and >= 0 seconds, got {seconds!r}.")
+    return value
+
+
+def _as_floats(values: Sequence[float] | torch.Tensor) -> list[float]:
+    if isinstance(values, torch.Tensor):
+        return [float(v) for v in values.detach().flatten().tolist()]
+    return [float(v) for v in values]
+
+
+def _check_probabilities(values: Sequence[float] | torch.Tensor, what: str) -> list[float]:
+    """Floats in [0, 1] (values within `_PROB_SLACK` outside are clipped); ValueError otherwise."""
+    out = []
+    for value in _as_floats(values):
+        if not math.isfinite(value) or value < -_PROB_SLACK or value > 1 + _PROB_SLACK:
+            raise ValueError(f"{what} must be probabilities in [0, 1], got {value!r}.")
+        out.append(min(max(value, 0.0), 1.0))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Cost curves
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class CostCurve:
+    r"""
+    Wall time (seconds) of one forward pass as a function of the number of new rows `q` it computes.
+
+    Built from measured points `{q: seconds}`. Between points the curve is piecewise linear; below the first point
+    it is flat (the first point's value); beyond the last point it is extrapolated linearly from the last two points
+    but never below the last point's value (more rows never cost less than the last measurement). A single point
+    gives a flat curve.
+
+    Args:
+        points (`Mapping[int, float]`):
+            Rows `q` (int >= 1) -> seconds (finite, >= 0).
+
+    Raises:
+        ValueError: if `points` is empty, a `q` is not an int >= 1, or a time is negative or not finite.
+
+    Example:
+        >>> curve = CostCurve({1: 0.0587, 2: 0.0960, 4: 0.1034, 8: 0.0977, 16: 0.1099})
+        >>> round(curve(3), 4)
+        0.0997
+    """
+
+    def __init__(self, points: Mapping[int, float]) -> None:
+        if not points:
+            raise ValueError("A CostCurve needs at least one measured point {rows: seconds}.")
+        self._points: dict[int, float] = {}
+        for q, seconds in points.items():
+            self._points[self._check_rows(q)] = _check_seconds(seconds, f"The time at q={q}")
+        self._xs = sorted(self._points)
+
+    @staticmethod
+    def _check_rows(q: Any) -> int:
+        if isinstance(q, float) and q.is_integer():
+            q = int(q)
+        if not _is_int(q) or q < 1:
+            raise ValueError(f"Rows `q` must be an int >= 1, got {q!r}.")
+        return q
+
+    @property
+    def points(self) -> dict[int, float]:
+        """A copy of the points `{q: seconds}`, sorted by `q`."""
+        return {q: self._points[q] for q in sorted(self._points)}
+
+    def __call__(self, q: float) -> float:
+        """Seconds of a forward over `q` new rows.
+
+        Args:
+            q (`float`): rows, >= 1 (fractional values interpolate).
+
+        Returns:
+            `float`: seconds, >= 0.
+
+        Raises:
+            ValueError: if `q` is below 1 or not finite.
+        """
+        q = float(q)
+        if not math.isfinite(q) or q < 1:
+            raise ValueError(f"Rows `q` must be finite and >= 1, got {q!r}.")
+        xs = self._xs
+        ys = [self._points[x] for x in xs]
+        if q <= xs[0]:
+            return ys[0]
+        if q >= xs[-1]:
+            if len(xs) == 1:
+                return ys[-1]
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            return max(ys[-1], ys[-1] + slope * (q - xs[-1]))
+        for i in range(1, len(xs)):
+            if q <= xs[i]:
+                lo, hi = i - 1, i
+                break
+        return ys[lo] + (ys[hi] - ys[lo]) * (q - xs[lo]) / (xs[hi] - xs[lo])
+
+    def observe(self, q: int, seconds: float, weight: float = 0.2) -> None:
+        """Updates the curve with one measured forward (a real round's timing).
+
+        An existing point moves by an exponential moving average, `new = (1 - weight) * old + weight * seconds`; a new
+        `q` becomes a point with value `seconds`.
+
+        Args:
+            q (`int`): rows of the measured forward, >= 1.
+            seconds (`float`): its wall time, finite and >= 0.
+            weight (`float`, defaults to 0.2): weight of the new measurement, in (0, 1].
+
+        Raises:
+            ValueError: for a bad `q`, `seconds` or `weight`.
+        """
+        q = self._check_rows(q)
+        seconds = _check_seconds(seconds, "`seconds`")
+        weight = float(weight)
+        if not 0 < weight <= 1:
+            raise ValueError(f"`weight` must be in (0, 1], got {weight!r}.")
+        old = self._points.get(q)
+        self._points[q] = seconds if old is None else (1 - weight) * old + weight * seconds
+        if old is None:
+            self._xs = sorted(self._points)
+
+    def monotone(self) -> CostCurve:
+        """The running maximum of the points over increasing `q` (a curve on which more rows never cost less)."""
+        out, best = {}, 0.0
+        for q, seconds in self.points.items():
+            best = max(best, seconds)
+            out[q] = best
+        return CostCurve(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe state: `{"points": [[q, seconds], ...]}` sorted by `q`."""
+        return {"points": [[q, s] for q, s in self.points.items()]}
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any]) -> CostCurve:
+        """Inverse of `to_dict`.
+
+        Raises:
+            ValueError: if `state` is malformed.
+        """
+        try:
+            pairs = state["points"]
+            points = {pair[0]: pair[1] for pair in pairs}
+        except (KeyError, TypeError, IndexError):
+            raise ValueError(f"Not a CostCurve state: {state!r}.") from None
+        return cls(points)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{q}: {s * 1e3:.2f} ms" for q, s in self.points.items())
+        return f"CostCurve({{{inner}}})"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Acceptance
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def expected_tokens(probabilities: Sequence[float] | torch.Tensor, k: int) -> float:
+    r"""
+    Committed tokens expected from a round that sends the first `k` drafts:
+
+        E[tokens] = 1 + sum_{j=1..k} prod_{i=1..j} p_i,
+
+    where `p_i` is the probability that draft `i` is accepted given drafts `1..i-1` were; the 1 is the target's
+    bonus token, which every round commits. Follows d3d-hf docs/DESIGN.md section 9 (our design).
+
+    Args:
+        probabilities (`Sequence[float]` or 1-D `torch.Tensor`): `p_1, p_2, ...`, each in [0, 1].
+        k (`int`): drafts sent, `0 <= k <= len(probabilities)`.
+
+    Returns:
+        `float` in `[1, k + 1]`.
+
+    Raises:
+        ValueError: if `k` is out of range or a probability is outside [0, 1].
+
+    Example:
+        >>> expected_tokens([0.5, 0.5], 2)
+        1.75
+    """
+    probs = _check_probabilities(probabilities, "`probabilities`")
+    if not _is_int(k) or not 0 <= k <= len(probs):
+        raise ValueError(f"`k` must be an int in [0, {len(probs)}], got {k!r}.")
+    total, reach = 1.0, 1.0
+    for p in probs[:k]:
+        reach *= p
+        total += reach
+    return total
+
+
+class AcceptanceCalibrator:
+    r"""
+    Maps a draft token's confidence to the probability that the target accepts it, and keeps a per-position profile
+    of acceptance for planning a draft pass before it runs (our design, d3d-hf docs/DESIGN.md section 9).
+
+    **Calibration.** The confidence `c` of a draft is its probability under the distribution it was chosen from (the
+    drafter's processed scores), in [0, 1]. Confidences fall into `num_bins` equal-width bins; bin `b` counts
+    accepted (`a_b`) and rejected (`r_b`) drafts, each observed given all earlier drafts of its round were accepted.
+    The calibrated probability is the posterior mean under a Beta prior centred on the draft's own confidence with
+    `prior_strength` pseudo-observations `s`:
+
+        p(c) = (a_b + s * c) / (a_b + r_b + s),
+
+    which is the identity before anything is observed and tends to the bin's observed acceptance rate. (Centring the
+    prior on `c` rather than on the bin's centre keeps the start exactly the identity.)
+
+    **Position profile.** Before a draft pass there are no confidences yet, so the number of masks to compute is
+    planned from `position_profile`: for draft position `j`, the probability that draft `j` is accepted given drafts
+    `1..j-1` were, without looking at confidences. It is a Beta-smoothed rate per position,
+
+        q_j = (A_j + s * q0_j) / (N_j + s),        q0_j = profile_prior * profile_decay ** (j - 1),
+
+    where `N_j` counts rounds that reached position `j` (drafts `1..j-1` accepted) and `A_j` those that also accepted
+    draft `j`. Observed outcomes count 1. Drafts that were computed but not sent after an all-accepted prefix (the
+    policy cut the round short) count *softly*, with the calibrated probabilities: reaching `j` with weight
+    `w = prod_{i<j} p(c_i)` over the unsent drafts before it, accepting with `w * p(c_j)`. This keeps the profile
+    unbiased by the cut (otherwise a later position would be seen only in confident rounds and look better than it
+    is). Counts fade by a factor `1 - 1 / profile_memory` per observed round, so the profile follows the text.
+
+    Args:
+        num_bins (`int`, defaults to 10): equal-width confidence bins.
+        prior_strength (`float`, defaults to 4.0): pseudo-observations `s` of both priors, > 0.
+        profile_prior (`float`, defaults to 0.6): prior acceptance of draft 1, in [0, 1].
+        profile_decay (`float`, defaults to 0.9): prior factor per further position, in [0, 1].
+        profile_memory (`float`, *optional*, defaults to 256.0): rounds over which profile counts fade (> 1);
+            `None` keeps them forever.
+
+    Raises:
+        ValueError: for out-of-range arguments.
+    """
+
+    def __init__(
+        self,
+        num_bins: int = 10,
+        prior_strength: float = 4.0,
+        profile_prior: float = 0.6,
+        profile_decay: float = 0.9,
+        profile_memory: float | None = 256.0,
+    ) -> None:
+        if not _is_int(num_bins) or num_bins < 1:
+            raise ValueError(f"`num_bins` must be an int >= 1, got {num_bins!r}.")
+        if not (math.isfinite(prior_strength) and prior_strength > 0):
+            raise ValueError(f"`prior_strength` must be > 0, got {prior_strength!r}.")
+        for name, value in (("profile_prior", profile_prior), ("profile_decay", profile_decay)):
+            if not (math.isfinite(value) and 0 <= value <= 1):
+                raise ValueError(f"`{name}` must be in [0, 1], got {value!r}.")
+        if profile_memory is not None and not (math.isfinite(profile_memory) and profile_memory > 1):
+            raise ValueError(f"`profile_memory` must be > 1 (or None), got {profile_memory!r}.")
+        self.num_bins = num_bins
+        self.prior_strength = float(prior_strength)
+        self.profile_prior = float(profile_prior)
+        self.profile_decay = float(profile_decay)
+        self.profile_memory = None if profile_memory is None else float(profile_memory)
+        self._accepted = [0.0] * num_bins
+        self._total = [0.0] * num_bins
+        self._profile_accepted: list[float] = []
+        self._profile_total: list[float] = []
+        self.num_observations = 0
+
+    def _bin(self, confidence: float) -> int:
+        return min(int(confidence * self.num_bins), self.num_bins - 1)
+
+    def probabilities(self, confidences: Sequence[float] | torch.Tensor) -> list[float]:
+        """Calibrated acceptance probabilities of drafts with these confidences.
+
+        Args:
+            confidences (`Sequence[float]` or 1-D `torch.Tensor`): each in [0, 1].
+
+        Returns:
+            `list[float]` of the same length, each in [0, 1].
+
+        Raises:
+            ValueError: if a confidence is outside [0, 1] or not finite.
+        """
+        out = []
+        s = self.prior_strength
+        for c in _check_probabilities(confidences, "Confidences"):
+            b = self._bin(c)
+            out.append((self._accepted[b] + s * c) / (self._total[b] + s))
+        return out
+
+    def _grow_profile(self, length: int) -> None:
+        while len(self._profile_total) < length:
+            self._profile_accepted.append(0.0)
+            self._profile_total.append(0.0)
+
+    def observe(
+        self, confidences: Sequence[float] | torch.Tensor, num_accepted: int, num_sent: int | None = None
+    ) -> None:
+        """Learns from one verified round.
+
+        The first `num_accepted` sent drafts were accepted; the next sent one (if any) was rejected; later drafts are
+        unobserved. Drafts beyond `num_sent` (computed, not sent) feed only the position profile, softly, when every
+        sent draft was accepted (see the class docstring).
+
+        Args:
+            confidences (`Sequence[float]` or 1-D `torch.Tensor`): confidences of the drafts the pass computed, in
+                order (at least the `num_sent` sent ones).
+            num_accepted (`int`): drafts the target accepted, `0 <= num_accepted <= num_sent`.
+            num_sent (`int`, *optional*): drafts sent for verification; defaults to `len(confidences)`.
+
+        Raises:
+            ValueError: for inconsistent counts or bad confidences.
+        """
+        conf = _check_probabilities(confidences, "Confidences")
+        sent = len(conf) if num_sent is None else num_sent
+        if not _is_int(sent) or not 0 <= sent <= len(conf):
+            raise ValueError(f"`num_sent` must be an int in [0, {len(conf)}] (the confidences given), got {sent!r}.")
+        if not _is_int(num_accepted) or not 0 <= num_accepted <= sent:
+            raise ValueError(f"`num_accepted` must be an int in [0, num_sent={sent}], got {num_accepted!r}.")
+        probs = self.probabilities(conf)  # the calibration before this round, for the soft counts
+        rejected = num_accepted < sent
+        for c in conf[:num_accepted]:
+            b = self._bin(c)
+            self._accepted[b] += 1.0
+            self._total[b] += 1.0
+        if rejected:
+            self._total[self._bin(conf[num_accepted])] += 1.0
+        if self.profile_memory is not None:
+            keep = 1.0 - 1.0 / self.profile_memory
+            self._profile_accepted = [a * keep for a in self._profile_accepted]
+            self._profile_total = [n * keep for n in self._profile_total]
+        self._grow_profile(len(conf))
+        for j in range(num_accepted):
+            self._profile_accepted[j] += 1.0
+            self._profile_total[j] += 1.0
+        if rejected:
+            self._profile_total[num_accepted] += 1.0
+        else:
+            reach = 1.0
+            for j in range(sent, len(conf)):
+                self._profile_total[j] += reach
+                self._profile_accepted[j] += reach * probs[j]
+                reach *= probs[j]
+        self.num_observations += 1
+
+    def position_profile(self, max_drafts: int) -> list[float]:
+        """Per-position acceptance `q_1 .. q_max_drafts` for planning before a draft pass (class docstring).
+
+        Args:
+            max_drafts (`int`): positions wanted, >= 0.
+
+        Returns:
+            `list[float]` of length `max_drafts`, each in [0, 1].
+
+        Raises:
+            ValueError: if `max_drafts` is negative.
+        """
+        if not _is_int(max_drafts) or max_drafts < 0:
+            raise ValueError(f"`max_drafts` must be an int >= 0, got {max_drafts!r}.")
+        s = self.prior_strength
+        out = []
+        for j in range(max_drafts):
+            prior = self.profile_prior * self.profile_decay**j
+            a = self._profile_accepted[j] if j < len(self._profile_accepted) else 0.0
+            n = self._profile_total[j] if j < len(self._profile_total) else 0.0
+            out.append((a + s * prior) / (n + s))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe state (settings and counts)."""
+        return {
+            "num_bins": self.num_bins,
+            "prior_strength": self.prior_strength,
+            "profile_prior": self.profile_prior,
+            "profile_decay": self.profile_decay,
+            "profile_memory": self.profile_memory,
+            "accepted": list(self._accepted),
+            "total": list(self._total),
+            "profile_accepted": list(self._profile_accepted),
+            "profile_total": list(self._profile_total),
+            "num_observations": self.num_observations,
+        }
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any]) -> AcceptanceCalibrator:
+        """Inverse of `to_dict`.
+
+        Raises:
+            ValueError: if `state` is malformed (missing fields, wrong lengths, negative counts).
+        """
+        try:
+            out = cls(
+                num_bins=state["num_bins"],
+                prior_strength=state["prior_strength"],
+                profile_prior=state["profile_prior"],
+                profile_decay=state["profile_decay"],
+                profile_memory=state["profile_memory"],
+            )
+            names = ("accepted", "total", "profile_accepted", "profile_total")
+            lists = [[float(x) for x in state[name]] for name in names]
+            num_observations = int(state["num_observations"])
+        except (KeyError, TypeError):
+            raise ValueError("Not an AcceptanceCalibrator state.") from None
+        accepted, total, profile_accepted, profile_total = lists
+        if len(accepted) != out.num_bins or len(total) != out.num_bins or len(profile_accepted) != len(profile_total):
+            raise ValueError("AcceptanceCalibrator state: count lists of inconsistent lengths.")
+        for a, n in zip(accepted + profile_accepted, total + profile_total, strict=True):
+            if not (math.isfinite(a) and math.isfinite(n) and 0 <= a <= n + 1e-9):
+                raise ValueError("AcceptanceCalibrator state: counts must be finite with 0 <= accepted <= total.")
+        out._accepted, out._total = accepted, total
+        out._profile_accepted, out._profile_total = profile_accepted, profile_total
+        out.num_observations = max(num_observations, 0)
+        return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The policy
+# --------------------------------------------------------------------------------------------------------------------
+
+
+__all__ = ["AcceptanceCalibrator", "CostCurve", "expected_tokens"]
