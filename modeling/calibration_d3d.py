@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .estimates_d3d import CostCurve, _is_int
+from .policy_d3d import DraftPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -397,6 +398,56 @@ def measure_cost_curves(
     return verify_curve, draft_curve
 
 
+_POLICIES: dict[str, DraftPolicy] = {}
+
+
+def _weights_fingerprint(model) -> str:
+    """A cheap fingerprint of a model's weights (the first values of a few tensors), so that two models with one
+    config but different weights (a fine-tuned copy, random test models) keep separate acceptance calibrations."""
+    digest = hashlib.sha256()
+    for index, (name, tensor) in enumerate(model.state_dict().items()):
+        if index % 8 == 0 or "lora" in name or "mask_embedding" in name:
+            digest.update(name.encode())
+            digest.update(tensor.detach().flatten()[:16].float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def policy_for(target, drafter, store: CalibrationStore | None = None) -> tuple[DraftPolicy, str]:
+    """The adaptive `DraftPolicy` of a (target, drafter) pair on this machine, dtype, threads and device.
+
+    One policy per `calibration_key` lives in memory for the process, so what it learns in one `generate` call
+    carries over to the next; it starts from the state stored on disk under that key (`CalibrationStore`) and,
+    the first time the pair is used here, from a short `measure_cost_curves` calibration (about 20 forwards of each
+    model), which is stored at once. The caller saves the learned state with `policy.save_to(store, key)`.
+
+    Returns:
+        `(policy, key)`.
+    """
+    dtype = next(target.parameters()).dtype
+    device = next(target.parameters()).device
+    parts = {
+        "target": str(getattr(target, "name_or_path", "") or type(target).__name__),
+        "target_config": config_fingerprint(target.config),
+        "drafter": str(getattr(drafter, "name_or_path", "") or type(drafter).__name__),
+        "drafter_config": config_fingerprint(drafter.config),
+        "dtype": dtype,
+        "device": device,
+        "weights": _weights_fingerprint(drafter),
+    }
+    key = calibration_key(**parts)
+    policy = _POLICIES.get(key)
+    if policy is None:
+        store = store or CalibrationStore()
+        max_drafts = int(drafter.config.block_size) - 1
+        policy = DraftPolicy(CostCurve({1: 1.0}), CostCurve({1: 1.0}), max_drafts=max_drafts)  # curves restored below
+        if not policy.restore_from(store, key):
+            verify_curve, draft_curve = measure_cost_curves(target, drafter, monotone=False)
+            policy = DraftPolicy(verify_curve, draft_curve, max_drafts=max_drafts)
+            policy.save_to(store, key, {k: str(v) for k, v in parts.items()})
+        _POLICIES[key] = policy
+    return policy, key
+
+
 __all__ = [
     "CACHE_ENV",
     "CALIBRATION_FORMAT_VERSION",
@@ -407,4 +458,5 @@ __all__ = [
     "cpu_model",
     "default_cache_dir",
     "measure_cost_curves",
+    "policy_for",
 ]

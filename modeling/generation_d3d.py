@@ -20,8 +20,11 @@ from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from .calibration_d3d import CalibrationStore, policy_for
 from .drafting_d3d import D3DCache
-from .runtime_d3d import PackedPassWorker, RoundClock, default_worker_threads
+from .lookup_d3d import lookup_candidates
+from .policy_d3d import DraftPolicy
+from .runtime_d3d import PackedPassWorker, RoundClock, default_worker_threads, timed
 
 #: transformers releases the hook was tested with (inclusive lower, exclusive upper bound).
 SUPPORTED_TRANSFORMERS = ("5.24.0", "5.30.0")
@@ -40,6 +43,12 @@ _EXPECTED_FACTORY_PARAMETERS = (
 
 #: per-call options read from the `GenerationConfig` passed to `generate`, else from `drafter.generation_config`
 ASYNC_OPTIONS = {"d3d_async": False, "d3d_num_hypotheses": 4, "d3d_reuse_on_miss": False, "d3d_worker_threads": None}
+#: per-call options of the cost-aware engine, read like `ASYNC_OPTIONS`: `d3d_num_drafts` is `"adaptive"` (drafts per
+#: round chosen by expected tokens per second, 0 = a plain target step), a whole number in [0, block_size - 1]
+#: (that many drafts every round, as far as the remaining length allows) or `"full"` (`block_size - 1`: the engine
+#: before the policy); `d3d_prompt_lookup` makes n-gram matches in the prompt and the generated text a free
+#: candidate source (adaptive mode only)
+POLICY_OPTIONS = {"d3d_num_drafts": "adaptive", "d3d_prompt_lookup": True}
 """Defaults; `d3d_num_hypotheses` is at most the block size when not set; `d3d_worker_threads=None` gives the CPU
 worker half of the calling thread's torch intra-op threads (at least one)."""
 
@@ -82,6 +91,13 @@ class D3DGenerationStats:
             the part of the packed pass that verification did not hide.
         worker_threads (`int`): torch intra-op threads of the CPU worker that ran the packed passes (0 when none
             ran on the CPU worker).
+        policy (`str`): how drafts per round were chosen: `"adaptive"` (the cost-aware `DraftPolicy`) or the fixed
+            `d3d_num_drafts`.
+        asynchronous_off_reason (`str`, *optional*): why the adaptive engine drafted synchronously although
+            `d3d_async=True` was asked for (`None` otherwise).
+        round_sources (`list[str]`): per round, where its candidates came from: `"drafter"`, `"lookup"` (prompt
+            lookup, no draft pass) or `"target"` (none: a plain target step).
+        round_candidates (`list[int]`): per round, the candidates sent for verification (the chosen `k`).
     """
 
     rounds: int = 0
@@ -99,6 +115,15 @@ class D3DGenerationStats:
     packed_seconds: list[float] = field(default_factory=list)
     join_wait_seconds: list[float] = field(default_factory=list)
     worker_threads: int = 0
+    policy: str = "adaptive"
+    asynchronous_off_reason: str | None = None
+    round_sources: list[str] = field(default_factory=list)
+    round_candidates: list[int] = field(default_factory=list)
+
+    def record_round_plan(self, source: str, num_candidates: int) -> None:
+        """Records where a round's candidates came from and how many were sent."""
+        self.round_sources.append(source if num_candidates or source != "drafter" else "target")
+        self.round_candidates.append(int(num_candidates))
 
     @property
     def tau(self) -> float:
@@ -202,7 +227,7 @@ class D3DCandidateGenerator(CandidateGenerator):
                 raise ValueError("`stop_strings` need the tokenizer: pass `tokenizer=...` to `generate`.")
             self.stop_string_criteria = StopStringCriteria(target_tokenizer, generation_config.stop_strings)
         options = {}
-        for name in ASYNC_OPTIONS:
+        for name in (*ASYNC_OPTIONS, *POLICY_OPTIONS):
             value = getattr(generation_config, name, None)
             if value is None:
                 value = getattr(getattr(drafter, "generation_config", None), name, None)
@@ -231,9 +256,13 @@ class D3DCandidateGenerator(CandidateGenerator):
                 f"`d3d_worker_threads` must be a whole number in [1, {most}] (at most the CPU count or torch's "
                 f"threads, whichever is larger; None for half of torch's threads), got {threads!r}."
             )
+        self._setup_policy(options, target)
         self.cache = D3DCache()  # a new, empty drafter state for every `generate` call
         self.stats = D3DGenerationStats(
-            asynchronous=self.asynchronous, num_hypotheses=self.num_hypotheses if self.asynchronous else 0
+            asynchronous=self.asynchronous,
+            num_hypotheses=self.num_hypotheses if self.asynchronous else 0,
+            policy=self.policy_mode,
+            asynchronous_off_reason=self._async_off_reason,
         )
         drafter.last_generation_stats = self.stats
         self.round_clock = RoundClock(self.stats.draft_seconds, self.stats.verify_seconds)
@@ -242,6 +271,46 @@ class D3DCandidateGenerator(CandidateGenerator):
 
     def _draft_device(self) -> torch.device:
         return self.drafter.model.embed_tokens.weight.device
+
+    def _setup_policy(self, options: dict[str, Any], target) -> None:
+        """Validates the policy options and picks the `DraftPolicy` of this call (see `POLICY_OPTIONS`)."""
+        mode = options["d3d_num_drafts"]
+        mode = POLICY_OPTIONS["d3d_num_drafts"] if mode is None else mode
+        fixed = self.block_size - 1 if mode == "full" else _whole_number(mode)
+        if mode != "adaptive" and (fixed is None or not 0 <= fixed <= self.block_size - 1):
+            raise ValueError(
+                f"`d3d_num_drafts` must be 'adaptive', 'full' or a whole number in [0, block_size - 1 = "
+                f"{self.block_size - 1}], got {mode!r}."
+            )
+        lookup = options["d3d_prompt_lookup"]
+        if lookup is not None and not isinstance(lookup, bool):
+            raise ValueError(f"`d3d_prompt_lookup` must be True or False (or None for the default), got {lookup!r}.")
+        self.prompt_lookup = POLICY_OPTIONS["d3d_prompt_lookup"] if lookup is None else lookup
+        self._async_off_reason = None
+        self._policy_store = self._policy_key = None
+        own = getattr(self.drafter, "draft_policy", None)  # a user's own policy (e.g. curves measured elsewhere)
+        self._fixed_num_drafts = None
+        if mode != "adaptive":
+            self.policy, self.policy_mode = DraftPolicy(max_drafts=self.block_size - 1, mode=fixed), str(fixed)
+            self._fixed_num_drafts = fixed
+            self.prompt_lookup = False
+            return
+        self.policy_mode = "adaptive"
+        if own is not None:
+            self.policy = own
+        elif target is not None:
+            self._policy_store = CalibrationStore()
+            self.policy, self._policy_key = policy_for(target, self.drafter, self._policy_store)
+        else:  # nothing to calibrate against: the engine before the policy
+            fixed = self.block_size - 1
+            self.policy, self.policy_mode = DraftPolicy(max_drafts=fixed, mode=fixed), str(fixed)
+            self._fixed_num_drafts, self.prompt_lookup = fixed, False
+        if self.asynchronous and self._draft_device().type != "cuda":
+            # the packed pass and the verification would share the CPU cores: measured slower than synchronous
+            # drafting in every setting on the project's CPUs (README, benchmarks/results/async/), so the adaptive
+            # engine drafts synchronously there; a fixed `d3d_num_drafts` keeps asynchronous drafting on
+            self.asynchronous = False
+            self._async_off_reason = "cpu: the packed pass and the verification share the cores"
 
     def get_candidates(
         self, input_ids: torch.LongTensor, **kwargs: Any
@@ -258,24 +327,92 @@ class D3DCandidateGenerator(CandidateGenerator):
         """
         self.round_clock.start_draft()
         cur_len = input_ids.shape[1]
-        num_drafts = min(self.block_size - 1, self.max_length - cur_len - 1)
-        block_logits = self._use_packed_block(input_ids) if self._worker.pending else None
-        if num_drafts <= 0:
+        limit = min(self.block_size - 1, self.max_length - cur_len - 1)
+        self._round = None
+        if self.asynchronous:
+            return self._asynchronous_candidates(input_ids, limit)
+        if limit <= 0:
             self.round_clock.end_draft()
             return input_ids, None
-        if block_logits is None:
+        lookup = None
+        if self.prompt_lookup:
+            lookup = lookup_candidates(input_ids, num_tokens=limit, eos_token_id=self.eos_token_ids or None)
+        num_pending = cur_len - self.cache.get_seq_length()
+        decision = self.policy.decide(num_pending, 0 if lookup is None else lookup.shape[1], max_candidates=limit)
+        drafts, scores, confidences, draft_seconds = [], [], None, None
+        if decision.source == "lookup":
+            drafts, scores = self._lookup_drafts(input_ids, lookup[0, : decision.num_lookup].tolist())
+        elif decision.source == "drafter" and decision.num_masks > 0:
             committed = input_ids[:, self.cache.get_seq_length() :].to(self._draft_device())
-            block_logits = self.drafter.draft_logits(committed, self.cache)[0]
-        block_logits = block_logits.float()
-        drafts, scores = self._choose_drafts(input_ids, block_logits[:num_drafts])
-        if drafts and self.asynchronous and cur_len + 1 < self.max_length:
-            self._launch_packed_pass(input_ids, drafts, scores, block_logits)
+            # a fixed number of drafts keeps its block whole near `max_length` (masks attend to each other, so the
+            # number of masks changes the drafts); the adaptive engine computes only the rows it may send
+            num_masks = self._fixed_num_drafts if self._fixed_num_drafts is not None else decision.num_masks
+            block_logits, draft_seconds = timed(
+                lambda: self.drafter.draft_logits(committed, self.cache, num_masks=num_masks)[0]
+            )
+            drafts, scores = self._choose_drafts(input_ids, block_logits.float()[: decision.num_masks])
+            if drafts:
+                confidences = self._confidences(drafts, scores)
+                keep = self.policy.choose(confidences, draft_seconds, decision)
+                drafts, scores = drafts[:keep], scores[:keep]
+        self._round = (decision, len(drafts), confidences, draft_seconds)
+        self.stats.record_round_plan(decision.source, len(drafts))
         self.round_clock.end_draft()
         if not drafts:
             return input_ids, None
         self.stats.drafted_tokens += len(drafts)
         candidate_ids = torch.cat([input_ids, torch.cat(drafts, dim=1).to(input_ids.device)], dim=1)
         return candidate_ids, torch.stack(scores, dim=1)
+
+    def _asynchronous_candidates(self, input_ids: torch.LongTensor, limit: int):
+        """`get_candidates` of the asynchronous engine (full blocks; the packed pass drafts the next one)."""
+        cur_len = input_ids.shape[1]
+        block_logits = self._use_packed_block(input_ids) if self._worker.pending else None
+        if limit <= 0:
+            self.round_clock.end_draft()
+            return input_ids, None
+        if block_logits is None:
+            committed = input_ids[:, self.cache.get_seq_length() :].to(self._draft_device())
+            block_logits = self.drafter.draft_logits(committed, self.cache)[0]
+        block_logits = block_logits.float()
+        drafts, scores = self._choose_drafts(input_ids, block_logits[:limit])
+        if drafts and cur_len + 1 < self.max_length:
+            self._launch_packed_pass(input_ids, drafts, scores, block_logits)
+        self.stats.record_round_plan("drafter", len(drafts))
+        self.round_clock.end_draft()
+        if not drafts:
+            return input_ids, None
+        self.stats.drafted_tokens += len(drafts)
+        candidate_ids = torch.cat([input_ids, torch.cat(drafts, dim=1).to(input_ids.device)], dim=1)
+        return candidate_ids, torch.stack(scores, dim=1)
+
+    @staticmethod
+    def _confidences(drafts: list[torch.LongTensor], scores: list[torch.FloatTensor]) -> list[float]:
+        """The drafter's probability of each chosen draft under the distribution it was chosen from."""
+        ids = torch.cat(drafts, dim=1).view(-1, 1).to(scores[0].device)
+        return torch.cat(scores, dim=0).softmax(dim=-1).gather(1, ids).view(-1).tolist()
+
+    def _lookup_drafts(self, input_ids: torch.LongTensor, tokens: list[int]):
+        """Prompt-lookup tokens as drafts, with the scores of the distribution they were "drawn" from: a point mass
+        (0 at the token, -inf elsewhere), so lossless speculative sampling accepts token `d` with probability
+        `p(d)` and otherwise resamples from the target's residual, exactly as for a drafter's draft. Stops after an
+        eos and before a token that completes a stop string, as `_choose_drafts` does."""
+        drafts, scores, sequence = [], [], input_ids
+        vocab_size = int(self.drafter.config.vocab_size)
+        for token_id in tokens:
+            token = input_ids.new_tensor([[token_id]])
+            if self.stop_string_criteria is not None:
+                extended = torch.cat([sequence, token], dim=1)
+                if bool(self.stop_string_criteria(extended, None).any()):
+                    break
+                sequence = extended
+            point_mass = torch.full((1, vocab_size), float("-inf"), device=self._draft_device())
+            point_mass[0, token_id] = 0.0
+            drafts.append(token)
+            scores.append(point_mass)
+            if token_id in self.eos_token_ids:
+                break
+        return drafts, scores
 
     def _choose_drafts(
         self, input_ids: torch.LongTensor, logits: torch.FloatTensor
@@ -396,12 +533,24 @@ class D3DCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches) -> None:
         """Records the outcome of one verification (`num_matches` accepted drafts, after transformers' eos and
         length cropping)."""
-        self.round_clock.end_verify()
+        verify_seconds = self.round_clock.end_verify()
         num_matches = int(num_matches)
+        if self._round is not None:
+            decision, num_sent, confidences, draft_seconds = self._round
+            self.policy.observe_round(
+                decision,
+                num_sent=num_sent,
+                num_accepted=min(num_matches, num_sent),
+                confidences=confidences,
+                draft_seconds=draft_seconds,
+                verify_seconds=verify_seconds if self.stats.rounds > 0 else None,  # round 1 includes the prefill
+            )
         self.stats.rounds += 1
         self.stats.accepted_drafts += num_matches
         self.stats.new_tokens += num_matches + 1
         self.stats.acceptance_lengths.append(num_matches + 1)
+        if self._policy_key is not None and self._generation_ends(input_ids):
+            self.policy.save_to(self._policy_store, self._policy_key)  # what this call learned, for the next process
         if self._worker.pending and self._generation_ends(input_ids):
             # the pass drafted for a round that will not come: stop it here rather than let it run on after
             # `generate` returns (it would take CPU from whatever the caller does next)

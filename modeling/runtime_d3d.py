@@ -58,6 +58,13 @@ class RoundClock:
         return seconds
 
 
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """`(fn(), seconds it took)` (wall clock; on CUDA the launch time unless `fn` synchronises)."""
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
 def default_worker_threads() -> int:
     """The default `d3d_worker_threads`: half of the calling thread's `torch.get_num_threads()`, at least 1."""
     return max(1, torch.get_num_threads() // 2)
@@ -166,4 +173,4 @@ class PackedPassWorker:
             handle[1].synchronize()
 
 
-__all__ = ["PackedPassWorker", "RoundClock", "default_worker_threads"]
+__all__ = ["PackedPassWorker", "RoundClock", "default_worker_threads", "timed"]

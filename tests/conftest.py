@@ -51,3 +51,15 @@ def smollm2():
     from d3d_hf.targets import load_target
 
     return load_target("smollm2-135m-instruct", dtype="float32", device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def _engine_defaults(monkeypatch, tmp_path_factory):
+    """Every test gets a private calibration cache (`D3D_HF_CACHE`), and D3D drafts a full block every round unless a
+    test asks for the cost-aware engine (`d3d_num_drafts="adaptive"`, tests/test_policy_engine.py): most tests check
+    the drafting machinery (masks, caches, async hits, processors, stop strings), which the adaptive engine would
+    often skip on tiny models whose drafter costs as much as the target."""
+    from d3d_hf.modeling import generation_d3d
+
+    monkeypatch.setenv("D3D_HF_CACHE", str(tmp_path_factory.getbasetemp() / "d3d_hf_cache"))
+    monkeypatch.setitem(generation_d3d.POLICY_OPTIONS, "d3d_num_drafts", "full")
