@@ -98,6 +98,8 @@ class D3DGenerationStats:
         round_sources (`list[str]`): per round, where its candidates came from: `"drafter"`, `"lookup"` (prompt
             lookup, no draft pass) or `"target"` (none: a plain target step).
         round_candidates (`list[int]`): per round, the candidates sent for verification (the chosen `k`).
+        cost_curves_ms (`dict`, *optional*): the adaptive policy's cost curves when the call started, milliseconds by
+            new rows (`{"verify": {rows: ms}, "draft": {rows: ms}}`); `None` for a fixed `d3d_num_drafts`.
     """
 
     rounds: int = 0
@@ -119,6 +121,7 @@ class D3DGenerationStats:
     asynchronous_off_reason: str | None = None
     round_sources: list[str] = field(default_factory=list)
     round_candidates: list[int] = field(default_factory=list)
+    cost_curves_ms: dict[str, dict[int, float]] | None = None
 
     def record_round_plan(self, source: str, num_candidates: int) -> None:
         """Records where a round's candidates came from and how many were sent."""
@@ -264,6 +267,12 @@ class D3DCandidateGenerator(CandidateGenerator):
             policy=self.policy_mode,
             asynchronous_off_reason=self._async_off_reason,
         )
+        if self.policy_mode == "adaptive" and self.policy.verify_curve is not None:
+            self.stats.cost_curves_ms = {
+                name: {q: 1e3 * sec for q, sec in curve.points.items()}
+                for name, curve in (("verify", self.policy.verify_curve), ("draft", self.policy.draft_curve))
+                if curve is not None
+            }
         drafter.last_generation_stats = self.stats
         self.round_clock = RoundClock(self.stats.draft_seconds, self.stats.verify_seconds)
         self._worker = PackedPassWorker(self._draft_device(), self.worker_threads)

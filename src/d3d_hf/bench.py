@@ -47,6 +47,7 @@ import os
 import platform
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -55,6 +56,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .modeling.calibration_d3d import cpu_model
+from .modeling.generation_d3d import POLICY_OPTIONS
 from .modeling.runtime_d3d import RoundClock, default_worker_threads
 from .prompts import Prompt, encode_prompt
 from .utils import library_versions
@@ -73,6 +76,8 @@ class RoundStats:
             without the notion.
         packed_rounds (`int`, *optional*): rounds that followed a packed pass (hits, reused and missed blocks), the
             denominator of the hit rate; `None` with `hits`.
+        round_sources, round_candidates (`list`): per round, where its candidates came from (`"drafter"`,
+            `"lookup"`, `"target"`) and how many were sent (the chosen `k`); empty for methods that do not choose.
     """
 
     rounds: int
@@ -82,6 +87,8 @@ class RoundStats:
     drafted_tokens: int = 0
     hits: int | None = None
     packed_rounds: int | None = None
+    round_sources: list[str] = field(default_factory=list)
+    round_candidates: list[int] = field(default_factory=list)
 
 
 class RoundRecorder:
@@ -202,6 +209,8 @@ def d3d_round_stats(stats) -> RoundStats:
         drafted_tokens=int(getattr(stats, "drafted_tokens", 0)),
         hits=None if hits is None else int(hits),
         packed_rounds=packed_rounds,
+        round_sources=list(getattr(stats, "round_sources", [])),
+        round_candidates=list(getattr(stats, "round_candidates", [])),
     )
 
 
@@ -224,10 +233,16 @@ def _assistant_settings(resources: Mapping[str, Any]) -> dict[str, Any]:
 
 def _d3d_settings(resources: Mapping[str, Any]) -> dict[str, Any]:
     drafter = resources["drafter"]
+    stats = getattr(drafter, "last_generation_stats", None)
+    lookup = getattr(drafter.generation_config, "d3d_prompt_lookup", None)
     return {
         "drafter": resources.get("drafter_name"),
         "block_size": drafter.config.block_size,
         "drafter_layers": drafter.config.num_hidden_layers,
+        "num_drafts": getattr(stats, "policy", None),
+        "prompt_lookup": POLICY_OPTIONS["d3d_prompt_lookup"] if lookup is None else lookup,
+        # the cost curves the adaptive engine decided with, as they stood at the last call's start (ms by rows)
+        "cost_curves_ms": getattr(stats, "cost_curves_ms", None),
     }
 
 
@@ -357,6 +372,7 @@ class PromptRun:
         drafted_tokens (`int`): draft tokens proposed.
         hits (`int`, *optional*): pre-drafted rounds (methods with a hit rate), else `None`.
         packed_rounds (`int`, *optional*): rounds that followed a packed pass (the hit rate's denominator).
+        round_sources, round_candidates (`list`): as in `RoundStats`.
     """
 
     prompt_id: str
@@ -372,6 +388,8 @@ class PromptRun:
     drafted_tokens: int = 0
     hits: int | None = None
     packed_rounds: int | None = None
+    round_sources: list[str] = field(default_factory=list)
+    round_candidates: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
@@ -423,7 +441,39 @@ def summarize(runs: Sequence[PromptRun], reference: Sequence[PromptRun]) -> dict
         "verify_ms": 1e3 * sum(r.verify_seconds for r in runs) / rounds if rounds else 0.0,
         "drafted_tokens": sum(r.drafted_tokens for r in runs),
         "hit_rate": (sum(r.hits for r in with_hits) / hit_rounds if hit_rounds else 0.0) if with_hits else None,
+        **_round_plan_summary(runs),
     }
+
+
+def _round_plan_summary(runs: Sequence[PromptRun]) -> dict[str, Any]:
+    """`round_sources` (rounds per candidate source) and `candidates_histogram` (rounds per number of candidates
+    sent, the chosen `k`) over the runs that record them; empty otherwise."""
+    sources = [source for r in runs for source in r.round_sources]
+    if not sources:
+        return {}
+    counts = Counter(k for r in runs for k in r.round_candidates)
+    return {
+        "round_sources": dict(sorted(Counter(sources).items())),
+        "candidates_histogram": {str(k): counts[k] for k in sorted(counts)},
+    }
+
+
+def format_round_plans(summary: dict[str, dict[str, Any]]) -> str:
+    """Markdown table of where each method's rounds took their candidates and how many they sent (the chosen-`k`
+    histogram), for the methods that record it; an empty string when none does."""
+    rows = [(m, s) for m, s in summary.items() if s.get("round_sources")]
+    if not rows:
+        return ""
+    lines = ["| method | target steps | lookup rounds | drafter rounds | rounds by candidates sent (k: rounds) |"]
+    lines.append("|---|---|---|---|---|")
+    for method, s in rows:
+        sources = s["round_sources"]
+        histogram = ", ".join(f"{k}: {n}" for k, n in s["candidates_histogram"].items())
+        lines.append(
+            f"| `{method}` | {sources.get('target', 0)} | {sources.get('lookup', 0)} | {sources.get('drafter', 0)} "
+            f"| {histogram} |"
+        )
+    return "\n".join(lines)
 
 
 def unknown_methods(methods: Sequence[str]) -> list[str]:
@@ -557,6 +607,8 @@ def run_benchmark(
                 drafted_tokens=stats.drafted_tokens,
                 hits=stats.hits,
                 packed_rounds=stats.packed_rounds,
+                round_sources=list(stats.round_sources),
+                round_candidates=list(stats.round_candidates),
             )
             runs[m].append(run)
             per_method[m] = run
@@ -607,7 +659,8 @@ def merge_results(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def environment_info() -> dict[str, Any]:
-    """Versions, machine and thread count, for the results file (docs/DESIGN.md section 6: always record these)."""
+    """Versions, machine, CPU model with its speed-relevant extensions (AVX2, AVX-512, AVX-512-BF16, AMX) and thread
+    count, for the results file (docs/DESIGN.md section 6: always record these)."""
     versions = library_versions("torch", "transformers")
     return {
         "torch": versions["torch"],
@@ -618,6 +671,7 @@ def environment_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cpu": cpu_model(),
     }
 
 
@@ -662,6 +716,7 @@ __all__ = [
     "RoundRecorder",
     "RoundStats",
     "d3d_round_stats",
+    "format_round_plans",
     "environment_info",
     "format_table",
     "merge_results",

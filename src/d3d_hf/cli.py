@@ -281,7 +281,15 @@ def _load_assistant(name: str, dtype: str, tokenizer, target):
 
 
 def _bench(args) -> int:
-    from .bench import METHODS, environment_info, format_table, missing_resource, run_benchmark, unknown_methods
+    from .bench import (
+        METHODS,
+        environment_info,
+        format_round_plans,
+        format_table,
+        missing_resource,
+        run_benchmark,
+        unknown_methods,
+    )
     from .prompts import load_prompts
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -386,6 +394,10 @@ def _bench(args) -> int:
         print(format_cost_model(cost))
     print()
     print(format_table(result["summary"]))
+    plans = format_round_plans(result["summary"])
+    if plans:
+        print()
+        print(plans)
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(result, indent=2))

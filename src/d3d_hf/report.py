@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .bench import format_table
+from .bench import format_round_plans, format_table
 
 PLOTS = ("speedup.png", "tau_distribution.png", "round_time.png")
 
@@ -62,8 +62,11 @@ def settings_line(settings: dict[str, Any]) -> str:
         f"{settings.get('num_prompts')} `{settings.get('prompts')}` prompts x {settings.get('max_new_tokens')} "
         "new tokens, greedy"
     )
+    cpu = settings.get("cpu") or {}
+    flags = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if cpu.get(flag)]
+    machine = f"{cpu['model']}, {' '.join(flags) or 'no AVX2'}" if cpu.get("model") else settings.get("machine")
     parts.append(
-        f"{settings.get('torch_threads')} threads on {settings.get('cpu_count')} CPU cores ({settings.get('machine')})"
+        f"{settings.get('torch_threads')} threads on {settings.get('cpu_count')} CPU cores ({machine})"
         if not settings.get("cuda")
         else str(settings["cuda"])
     )
@@ -217,7 +220,12 @@ def write_report(results: Sequence[dict[str, Any]], output_dir: str | Path, titl
         plot_tau_distribution(results, out / "tau_distribution.png"),
         plot_round_time(results, out / "round_time.png"),
     ]
-    lines = [f"# {title}", "", format_suite_table(results), "", "## Settings", ""]
+    lines = [f"# {title}", "", format_suite_table(results), ""]
+    for result in results:
+        plans = format_round_plans(result["summary"])
+        if plans:
+            lines += [f"Rounds of **{result_label(result, results)}** by candidate source and by `k`:", "", plans, ""]
+    lines += ["## Settings", ""]
     for result in results:
         settings = result.get("settings", {})
         lines.append(f"- **{result_label(result, results)}**: {settings_line(settings)}.")
