@@ -341,6 +341,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         if self.asynchronous:
             return self._asynchronous_candidates(input_ids, limit)
         if limit <= 0:
+            self.stats.record_round_plan("target", 0)
             self.round_clock.end_draft()
             return input_ids, None
         lookup = None
@@ -378,6 +379,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         cur_len = input_ids.shape[1]
         block_logits = self._use_packed_block(input_ids) if self._worker.pending else None
         if limit <= 0:
+            self.stats.record_round_plan("target", 0)
             self.round_clock.end_draft()
             return input_ids, None
         if block_logits is None:

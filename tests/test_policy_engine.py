@@ -1,0 +1,205 @@
+"""The cost-aware engine inside `D3DCandidateGenerator` (modeling/generation_d3d.py with modeling/policy_d3d.py):
+rounds from the drafter, from prompt lookup and plain target steps mixed in one call stay lossless (greedy and
+sampling), the policy steps aside when drafting cannot pay, calibrations are keyed, cached and reused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _tiny import random_prompt, tiny_target
+from d3d_hf.modeling import calibration_d3d, generation_d3d
+from d3d_hf.modeling.estimates_d3d import CostCurve
+from d3d_hf.modeling.policy_d3d import DraftPolicy, RoundDecision
+from transformers import GenerationConfig
+
+from d3d_hf import D3DForDiffusionDrafting
+
+
+@pytest.fixture(autouse=True)
+def _adaptive(monkeypatch):
+    """These tests are about the adaptive engine (conftest makes full blocks the default elsewhere)."""
+    monkeypatch.setitem(generation_d3d.POLICY_OPTIONS, "d3d_num_drafts", "adaptive")
+    monkeypatch.setattr(calibration_d3d, "_POLICIES", {})
+
+
+class AlternatingPolicy(DraftPolicy):
+    """Cycles target step -> lookup (when a match exists) -> drafter, so that one call mixes every source."""
+
+    def __init__(self, max_drafts: int):
+        super().__init__(CostCurve({1: 1.0}), CostCurve({1: 1.0}), max_drafts=max_drafts)
+        self.calls = 0
+
+    def decide(self, num_pending, lookup_tokens=0, max_candidates=None):
+        self.calls += 1
+        limit = self.max_drafts if max_candidates is None else min(self.max_drafts, max_candidates)
+        turn = self.calls % 3
+        if turn == 1 and lookup_tokens:
+            return RoundDecision("lookup", num_lookup=min(lookup_tokens, limit), num_pending=num_pending)
+        if turn == 2 or limit == 0:
+            return RoundDecision("target", num_pending=num_pending)
+        return RoundDecision("drafter", num_masks=limit, num_pending=num_pending, explore=True)
+
+
+def _greedy(target, ids, drafter=None, max_new_tokens=40, **options):
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, **options)
+    return target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                           generation_config=config)
+
+
+def _repetitive_prompt(seed: int = 0) -> torch.LongTensor:
+    """A prompt with repeated n-grams, so that prompt lookup finds matches."""
+    piece = random_prompt(6, seed=seed)
+    return torch.cat([piece, piece, piece[:, :3]], dim=1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_mixed_sources_greedy_is_lossless(family):
+    target = tiny_target(family, sharpen=4.0)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, num_layers=2, block_size=4)
+    drafter.draft_policy = AlternatingPolicy(drafter.config.block_size - 1)
+    for seed in range(3):
+        ids = _repetitive_prompt(seed)
+        assert torch.equal(_greedy(target, ids, drafter), _greedy(target, ids))
+        stats = drafter.last_generation_stats
+        assert {"target", "lookup", "drafter"} <= set(stats.round_sources), stats.round_sources
+        assert len(stats.round_sources) == len(stats.round_candidates) == stats.rounds
+        assert sum(stats.round_candidates) == stats.drafted_tokens
+        assert stats.policy == "adaptive"
+
+
+def test_measured_policy_is_lossless_and_records_its_curves():
+    """The real adaptive policy (curves measured on first use) on a tiny target: output identical to the target's,
+    every round planned, the curves the call decided with recorded."""
+    target = tiny_target("llama", sharpen=4.0)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=8)
+    for seed in range(2):
+        ids = _repetitive_prompt(seed)
+        assert torch.equal(_greedy(target, ids, drafter, max_new_tokens=30), _greedy(target, ids, max_new_tokens=30))
+        stats = drafter.last_generation_stats
+        assert len(stats.round_sources) == stats.rounds
+        assert set(stats.cost_curves_ms) == {"verify", "draft"} and stats.cost_curves_ms["verify"][1] > 0
+
+
+def test_mixed_sources_sampling_preserves_the_target_distribution():
+    """Chi-square goodness of fit of 2-token samples against the exact target law with lookup, drafter and target
+    rounds mixed (lookup drafts carry point-mass scores, so speculative sampling stays exact)."""
+    from test_generation import _exact_two_token_distribution
+
+    vocab = 8
+    target = tiny_target("qwen3", vocab_size=vocab, seed=11, sharpen=10.0)
+    target.generation_config.eos_token_id = None
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, num_layers=1, block_size=4)
+    policy = AlternatingPolicy(drafter.config.block_size - 1)
+    drafter.draft_policy = policy
+    ids = torch.tensor([[3, 5, 4, 3, 5]])  # "3 5" occurred before, followed by 4: lookup proposes 4, 3, 5
+    temperature, top_k = 0.9, 6
+    exact = _exact_two_token_distribution(target, ids, temperature, top_k).flatten()
+    torch.manual_seed(4321)
+    n = 1500
+    counts = torch.zeros(vocab * vocab)
+    sources = {"lookup": 0, "drafter": 0, "target": 0}
+    rejected_lookup = 0
+    for _ in range(n):
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, do_sample=True,
+                              temperature=temperature, top_k=top_k, top_p=1.0, max_new_tokens=2, pad_token_id=0)
+        a, b = out[0, -2:].tolist()
+        counts[a * vocab + b] += 1
+        stats = drafter.last_generation_stats
+        for source in stats.round_sources:
+            sources[source] += 1
+        rejected_lookup += stats.round_sources[0] == "lookup" and stats.accepted_drafts < stats.drafted_tokens
+    assert min(sources.values()) > n // 10, sources
+    assert rejected_lookup > n // 20, "lookup drafts must be rejected often enough to exercise the residual"
+    expected = exact * n
+    keep = expected >= 5
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1]
+    chi2 = ((obs - exp) ** 2 / exp).sum()
+    p_value = 1 - torch.special.gammainc(torch.tensor((len(obs) - 1) / 2.0), chi2 / 2.0)
+    assert p_value > 1e-3, f"chi2={chi2:.1f}, p={p_value:.2e}"
+
+
+def test_engine_takes_plain_target_steps_when_drafting_cannot_pay():
+    """A draft pass that costs two target steps and no lookup: every round is a plain target step (after the
+    warm-up round), no draft pass after the first."""
+    target = tiny_target("llama")
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    drafter.draft_policy = DraftPolicy(CostCurve({1: 0.05, 16: 0.06}), CostCurve({1: 0.1, 16: 0.12}), max_drafts=3,
+                                       explore_every=None)
+    ids = random_prompt(9)
+    calls = []
+    original = drafter.draft_logits
+    drafter.draft_logits = lambda *a, **k: calls.append(1) or original(*a, **k)
+    out = _greedy(target, ids, drafter, max_new_tokens=20, d3d_prompt_lookup=False)
+    assert torch.equal(out, _greedy(target, ids, max_new_tokens=20))
+    sources = drafter.last_generation_stats.round_sources
+    assert sources[1:] == ["target"] * (len(sources) - 1) and len(calls) <= 1
+
+
+def test_engine_drafts_every_round_when_verification_is_free():
+    target = tiny_target("llama", sharpen=4.0)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    drafter.draft_policy = DraftPolicy(CostCurve({1: 0.05, 16: 0.05}), CostCurve({1: 0.001, 64: 0.001}),
+                                       max_drafts=3)
+    ids = random_prompt(9)
+    out = _greedy(target, ids, drafter, max_new_tokens=20, d3d_prompt_lookup=False)
+    assert torch.equal(out, _greedy(target, ids, max_new_tokens=20))
+    stats = drafter.last_generation_stats
+    # every round drafts (a plain step only where the length limit leaves no room for a draft)
+    assert set(stats.round_sources[:-1]) == {"drafter"} and max(stats.round_candidates) == 3
+
+
+def test_calibration_is_measured_once_keyed_and_restored_from_disk(monkeypatch):
+    target = tiny_target("llama")
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    measured = []
+    real = calibration_d3d.measure_cost_curves
+    monkeypatch.setattr(calibration_d3d, "measure_cost_curves", lambda *a, **k: measured.append(1) or real(*a, **k))
+    ids = random_prompt(7)
+    _greedy(target, ids, drafter, max_new_tokens=8)
+    _greedy(target, ids, drafter, max_new_tokens=8)
+    assert len(measured) == 1, "one calibration per (target, drafter, dtype, threads, device, CPU)"
+    (key,) = calibration_d3d._POLICIES
+    assert calibration_d3d.CalibrationStore().load(key) is not None, "the calibration is stored on disk"
+    calibration_d3d._POLICIES.clear()  # a new process: the stored state is used, nothing is measured again
+    _greedy(target, ids, drafter, max_new_tokens=8)
+    assert len(measured) == 1
+    # another dtype (or another drafter) is another calibration
+    _greedy(target.to(torch.float64), ids, drafter.to(torch.float64), max_new_tokens=8)
+    assert len(measured) == 2 and len(calibration_d3d._POLICIES) == 2
+
+
+def test_adaptive_async_steps_aside_on_cpu_and_fixed_modes_keep_it():
+    target = tiny_target("llama", sharpen=4.0)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    ids = random_prompt(9)
+    ref = _greedy(target, ids, max_new_tokens=16)
+    assert torch.equal(_greedy(target, ids, drafter, max_new_tokens=16, d3d_async=True), ref)
+    stats = drafter.last_generation_stats
+    assert not stats.asynchronous and "cpu" in stats.asynchronous_off_reason
+    assert torch.equal(_greedy(target, ids, drafter, max_new_tokens=16, d3d_async=True, d3d_num_drafts="full"), ref)
+    stats = drafter.last_generation_stats
+    assert stats.asynchronous and stats.hits + stats.reused + stats.misses > 0 and stats.policy == "3"
+
+
+@pytest.mark.parametrize("value", ["fast", -1, 4, 1.5, True])
+def test_num_drafts_option_is_validated(value):
+    target = tiny_target("llama")
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    with pytest.raises(ValueError, match="d3d_num_drafts"):
+        _greedy(target, random_prompt(), drafter, d3d_num_drafts=value)
+
+
+def test_fixed_num_drafts_and_lookup_option():
+    target = tiny_target("llama", sharpen=4.0)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    ids = _repetitive_prompt()
+    ref = _greedy(target, ids, max_new_tokens=12)
+    for k in (0, 1, 3):
+        assert torch.equal(_greedy(target, ids, drafter, max_new_tokens=12, d3d_num_drafts=k), ref)
+        stats = drafter.last_generation_stats
+        assert max(stats.round_candidates) == k and stats.policy == str(k) and "lookup" not in stats.round_sources
+    with pytest.raises(ValueError, match="d3d_prompt_lookup"):
+        _greedy(target, ids, drafter, d3d_prompt_lookup="yes")
