@@ -144,8 +144,8 @@ class DraftPolicy:
     - *warm-up*: the first round on which the drafter is usable, while the calibrator has no observation at all,
       is a drafter round; likewise the first round with lookup tokens while the lookup estimate has none;
     - *periodic*: after `interval - 1` consecutive decided rounds without a draft pass, the next round is a
-      drafter round (so one round in `interval` drafts); `interval` starts at `explore_every` (32), is multiplied
-      by `explore_backoff` (2) after each periodic exploration, up to `explore_max_interval` (1024), and returns to
+      drafter round (so one round in `interval` drafts); `interval` starts at `explore_every` (256), is multiplied
+      by `explore_backoff` (2) after each periodic exploration, up to `explore_max_interval` (4096), and returns to
       `explore_every` whenever the rates choose the drafter by themselves. Lookup has its own counter, counting
       only rounds that had lookup tokens.
 
@@ -186,10 +186,10 @@ class DraftPolicy:
             int `k` in `[0, max_drafts]`: always a drafter pass with `k` masks, all of them sent (`0` = `"off"`);
             fixed modes never use lookup and never explore.
         tie_tolerance (`float`, defaults to 0.02): relative rate difference treated as a tie, in [0, 1).
-        explore_every (`int`, *optional*, defaults to 32): base exploration interval in rounds, >= 1; `None`
+        explore_every (`int`, *optional*, defaults to 256): base exploration interval in rounds, >= 1; `None`
             disables exploration (warm-up included).
         explore_backoff (`float`, defaults to 2.0): interval growth per periodic exploration, >= 1.
-        explore_max_interval (`int`, defaults to 1024): the interval's ceiling, >= `explore_every`.
+        explore_max_interval (`int`, defaults to 4096): the interval's ceiling, >= `explore_every`.
         lookup_prior (`float`, defaults to 0.5): prior per-token acceptance of lookup tokens, in [0, 1].
         lookup_prior_strength (`float`, defaults to 4.0): its pseudo-observations, > 0.
         lookup_memory (`float`, *optional*, defaults to 64.0): lookup rounds over which lookup counts fade (> 1);
@@ -209,9 +209,9 @@ class DraftPolicy:
         mode: str | int = "adaptive",
         *,
         tie_tolerance: float = 0.02,
-        explore_every: int | None = 32,
+        explore_every: int | None = 256,
         explore_backoff: float = 2.0,
-        explore_max_interval: int = 1024,
+        explore_max_interval: int = 4096,
         lookup_prior: float = 0.5,
         lookup_prior_strength: float = 4.0,
         lookup_memory: float | None = 64.0,
