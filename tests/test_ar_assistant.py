@@ -22,11 +22,6 @@ RECIPE = Path(__file__).resolve().parents[1] / "examples" / "train_ar_assistant.
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_target("llama", seed=4)
-
-
-@pytest.fixture(scope="module")
 def dataset(target):
     rows = []
     for i in range(8):

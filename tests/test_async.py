@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from _tiny import random_prompt, tiny_target
+from _tiny import perturbed_drafter, random_prompt, tiny_target
 from d3d_hf.modeling.modeling_d3d import D3DCache, packed_attention_mask, packed_metadata
 from transformers import GenerationConfig
 
@@ -13,16 +13,6 @@ def _greedy(target, ids, drafter=None, max_new_tokens=40, **options):
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, **options)
     return target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
                            generation_config=config)
-
-
-def _perturbed_drafter(target, block_size, adapter_rank=4, seed=0):
-    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=block_size)
-    drafter.add_block_adapter(adapter_rank)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    return drafter
 
 
 def test_packed_mask_rule_position_by_position():
@@ -46,7 +36,7 @@ def test_packed_mask_rule_position_by_position():
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_packed_pass_equals_synchronous_drafts_for_each_hypothesis(block_size):
     target = tiny_target("qwen3")
-    drafter = _perturbed_drafter(target, block_size)
+    drafter = perturbed_drafter(target, block_size)
     cache = D3DCache()
     drafter.draft_logits(random_prompt(9), cache)
     chain = torch.randint(3, 97, (1, block_size - 1), generator=torch.Generator().manual_seed(0))
@@ -72,7 +62,7 @@ def test_packed_pass_equals_synchronous_drafts_for_each_hypothesis(block_size):
 def test_async_greedy_is_lossless(block_size, num_hypotheses, reuse_on_miss):
     num_hypotheses = block_size if num_hypotheses == "B" else num_hypotheses
     target = tiny_target(sharpen=4.0)
-    drafter = _perturbed_drafter(target, block_size)
+    drafter = perturbed_drafter(target, block_size)
     for seed in range(3):
         ids = random_prompt(5 + seed, seed=seed)
         reference = _greedy(target, ids)
@@ -186,7 +176,7 @@ def test_worker_threads_option_sets_the_worker_only(monkeypatch):
 
     monkeypatch.setattr(generation_d3d, "_EXECUTORS", {})  # every worker count below is new to this process
     target = tiny_target(sharpen=4.0)
-    drafter = _perturbed_drafter(target, 4)
+    drafter = perturbed_drafter(target, 4)
     calls = _instrumented(drafter, monkeypatch)
     ids = random_prompt(6)
     before = torch.get_num_threads()
@@ -222,7 +212,7 @@ def test_no_packed_pass_runs_on_after_generate_returns(monkeypatch, stop):
     """The pass launched in the last round (its round never comes) is finished or cancelled before `generate`
     returns, so it takes no CPU from what the caller does next."""
     target = tiny_target(sharpen=4.0, seed=3)
-    drafter = _perturbed_drafter(target, 8)
+    drafter = perturbed_drafter(target, 8)
     calls = _instrumented(drafter, monkeypatch)
     ids = random_prompt(6, seed=1)
     continuation = _greedy(target, ids, max_new_tokens=30)[0, ids.shape[1] :].tolist()
@@ -250,7 +240,7 @@ def test_async_options_of_the_wrong_type_are_refused():
 
 def test_async_never_exceeds_the_budget_and_stops_at_eos():
     target = tiny_target(sharpen=4.0, seed=3)
-    drafter = _perturbed_drafter(target, 8)
+    drafter = perturbed_drafter(target, 8)
     ids = random_prompt(6, seed=1)
     for max_new_tokens in (1, 2, 3, 7, 9):
         reference = _greedy(target, ids, max_new_tokens=max_new_tokens)
@@ -275,7 +265,7 @@ def test_async_on_cuda_is_lossless(drafter_device):
     packed pass on the worker thread while the GPU verifies). Greedy output equals target-only decoding; sampling
     runs (its draft scores must reach the target's device)."""
     target = tiny_target(sharpen=4.0)
-    drafter = _perturbed_drafter(target, 4)
+    drafter = perturbed_drafter(target, 4)
     target.to("cuda")
     drafter.to(drafter_device)
     ids = random_prompt(7).to("cuda")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from _tiny import random_prompt, tiny_target
+from _tiny import random_prompt, tiny_target, word_tokenizer
 from safetensors.torch import save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -14,20 +14,7 @@ from d3d_hf.convert import convert_autoregressive_checkpoint, load_published_d3d
 from d3d_hf.drafters import load_drafter
 
 VOCAB = 97
-TOKENIZER_SIZE = 90  # fewer tokens than embedding rows, as Qwen3 (151669 tokens, 151936 rows)
-
-
-def tiny_tokenizer(size: int = TOKENIZER_SIZE):
-    """A word-level fast tokenizer of `size` ids (0 pad, 1 bos, 2 eos), built offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, size)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
+TOKENIZER_SIZE = 90  # word_tokenizer(): fewer tokens than embedding rows, as Qwen3 (151669 tokens, 151936 rows)
 
 
 def causal_logits(model, ids):
@@ -40,12 +27,12 @@ def qwen3_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ckpt") / "Qwen3-tiny"
     source = tiny_target("qwen3", vocab_size=VOCAB)
     source.save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
+    word_tokenizer().save_pretrained(folder)
     return folder, source
 
 
 def test_spare_mask_token_id():
-    tok = tiny_tokenizer()
+    tok = word_tokenizer()
     assert spare_mask_token_id(VOCAB, tok) == TOKENIZER_SIZE
     assert spare_mask_token_id(TOKENIZER_SIZE, tok) is None  # the tokenizer fills the vocabulary
     assert spare_mask_token_id(VOCAB, None) is None

@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 import torch
-from _tiny import FAMILIES, random_prompt, tiny_target
+from _tiny import FAMILIES, crash_safetensors_writer, random_prompt, tiny_target
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
@@ -525,11 +525,6 @@ def test_damaged_shard_is_rejected_at_load(tmp_path):
 BLOCK = 6
 
 
-@pytest.fixture(scope="module")
-def train_target():
-    return tiny_target("llama", seed=4)
-
-
 def _train_drafter(target, **kwargs):
     torch.manual_seed(0)
     drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=BLOCK, **kwargs)
@@ -551,8 +546,8 @@ def _assert_finite_with_finite_grads(drafter, batch):
 
 
 @pytest.mark.parametrize("mask_ratio", [(1.0, 1.0), (0.4, 0.6)])
-def test_sequences_shorter_than_a_block(train_target, mask_ratio):
-    drafter = _train_drafter(train_target)
+def test_sequences_shorter_than_a_block(target, mask_ratio):
+    drafter = _train_drafter(target)
     collator = D3DDataCollator(BLOCK, anchors_per_sequence=3, mask_ratio=mask_ratio, max_length=64)
     rows = [
         {"prompt_ids": [3], "response_ids": [4]},
@@ -567,8 +562,8 @@ def test_sequences_shorter_than_a_block(train_target, mask_ratio):
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["nothing_masked", "everything_masked"])
-def test_blocks_with_nothing_or_everything_masked(train_target, masked):
-    drafter = _train_drafter(train_target)
+def test_blocks_with_nothing_or_everything_masked(target, masked):
+    drafter = _train_drafter(target)
     collator = D3DDataCollator(BLOCK, anchors_per_sequence=3, max_length=64)
     rows = [
         {"prompt_ids": random_prompt(4, seed=i)[0].tolist(), "response_ids": list(range(10, 13 + 4 * i))}
@@ -609,13 +604,13 @@ def _config(tmp_path, **kwargs):
 
 
 @pytest.mark.parametrize("mode", ["block_adapter", "full"])
-def test_training_on_batches_with_nothing_to_score(train_target, tmp_path, mode):
+def test_training_on_batches_with_nothing_to_score(target, tmp_path, mode):
     """Every row too short for a block or a next-token target: training steps run (zero loss) instead of failing in
     `backward`."""
     from datasets import Dataset
 
     rows = Dataset.from_list([{"prompt_ids": [3 + i], "response_ids": []} for i in range(4)])
-    drafter = _train_drafter(train_target)
+    drafter = _train_drafter(target)
     batch = D3DDataCollator(BLOCK, anchors_per_sequence=2)([rows[0], rows[1]])
     losses = d3d_losses(drafter, batch, block_size=BLOCK, gamma=7.0)
     assert float(losses["block_loss"].detach()) == float(losses["ar_loss"].detach()) == 0.0
@@ -647,27 +642,12 @@ def _assert_same_weights(a, b):
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def _crash_safetensors_writer(monkeypatch):
-    """Makes transformers' safetensors writer write half a file, then fail (a process killed mid-write)."""
-    import transformers.modeling_utils
-
-    real = transformers.modeling_utils.safe_save_file
-
-    def half_then_crash(tensors, filename, metadata=None):
-        real(tensors, filename, metadata=metadata)
-        with open(filename, "r+b") as f:
-            f.truncate(f.seek(0, 2) // 2)
-        raise KeyboardInterrupt("killed while writing the weights")
-
-    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", half_then_crash)
-
-
 def test_save_interrupted_while_writing_weights_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     first, second = _two_drafters()
     first.save_pretrained(tmp_path / "ckpt")
     before = sorted(p.name for p in tmp_path.iterdir())
     with monkeypatch.context() as patch:
-        _crash_safetensors_writer(patch)
+        crash_safetensors_writer(patch)
         with pytest.raises(KeyboardInterrupt):
             second.save_pretrained(tmp_path / "ckpt")
     _assert_same_weights(load_drafter(str(tmp_path / "ckpt")), first)
@@ -693,7 +673,7 @@ def test_save_interrupted_after_the_weights_keeps_the_previous_checkpoint(tmp_pa
 def test_new_checkpoint_interrupted_leaves_no_half_written_weights(tmp_path, monkeypatch):
     _, second = _two_drafters()
     with monkeypatch.context() as patch:
-        _crash_safetensors_writer(patch)
+        crash_safetensors_writer(patch)
         with pytest.raises(KeyboardInterrupt):
             second.save_pretrained(tmp_path / "new")
     assert list(tmp_path.iterdir()) == [], "neither the folder nor a temporary one is left behind"
@@ -760,25 +740,25 @@ def _tiny_dataset(target):
 
 
 @pytest.mark.parametrize("crash_in", ["weights", "optimizer", "trainer_state"])
-def test_resume_never_picks_a_half_written_checkpoint(train_target, tmp_path, monkeypatch, crash_in):
+def test_resume_never_picks_a_half_written_checkpoint(target, tmp_path, monkeypatch, crash_in):
     """A run killed while writing checkpoint-4 (in the weights, the optimizer state, or the trainer state written
     last): `resume_from_checkpoint=True` resumes from checkpoint-2 and ends exactly where an uninterrupted run ends."""
     import transformers.trainer
 
-    dataset = _tiny_dataset(train_target)
-    full = D3DTrainer(_train_drafter(train_target), _config(tmp_path / "full", max_steps=4), train_dataset=dataset)
+    dataset = _tiny_dataset(target)
+    full = D3DTrainer(_train_drafter(target), _config(tmp_path / "full", max_steps=4), train_dataset=dataset)
     full.train()
 
     run = tmp_path / "run"
     saves = _config(run, max_steps=4, save_strategy="steps", save_steps=2)
-    crashed = D3DTrainer(_train_drafter(train_target), saves, train_dataset=dataset)
+    crashed = D3DTrainer(_train_drafter(target), saves, train_dataset=dataset)
     with monkeypatch.context() as patch:
         if crash_in == "weights":
             real_save = D3DForDiffusionDrafting.save_pretrained
 
             def save(self, folder, *args, **kwargs):
                 if str(folder).endswith("checkpoint-4"):
-                    _crash_safetensors_writer(patch)
+                    crash_safetensors_writer(patch)
                 return real_save(self, folder, *args, **kwargs)
 
             patch.setattr(D3DForDiffusionDrafting, "save_pretrained", save)
@@ -807,28 +787,28 @@ def test_resume_never_picks_a_half_written_checkpoint(train_target, tmp_path, mo
     assert (run / "checkpoint-4").is_dir() and not is_complete_checkpoint(run / "checkpoint-4")
     assert last_complete_checkpoint(run) == str(run / "checkpoint-2")
 
-    resumed = D3DTrainer(_train_drafter(train_target), _config(run, max_steps=4), train_dataset=dataset)
+    resumed = D3DTrainer(_train_drafter(target), _config(run, max_steps=4), train_dataset=dataset)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 4
     want = dict(full.model.named_parameters())
     for name, param in resumed.model.named_parameters():
         torch.testing.assert_close(param, want[name], rtol=1e-5, atol=1e-6, msg=name)
 
-    again = D3DTrainer(_train_drafter(train_target), _config(run, max_steps=4), train_dataset=dataset)
+    again = D3DTrainer(_train_drafter(target), _config(run, max_steps=4), train_dataset=dataset)
     shutil.rmtree(run / "checkpoint-4")
     (run / "checkpoint-4").mkdir()
     with pytest.raises(ValueError, match="checkpoint-4 is not a complete checkpoint.*checkpoint-2"):
         again.train(resume_from_checkpoint=str(run / "checkpoint-4"))
 
 
-def test_train_command_resumes_from_the_last_complete_checkpoint(train_target, tmp_path, monkeypatch):
+def test_train_command_resumes_from_the_last_complete_checkpoint(target, tmp_path, monkeypatch):
     """`d3d-hf train --resume_from_checkpoint auto` after a run killed while writing checkpoint-4 resumes from
     checkpoint-2 and saves the drafter an uninterrupted run saves."""
     import d3d_hf.targets
     from d3d_hf.training import D3DTrainScriptArguments, train_drafter
 
-    _tiny_dataset(train_target).save_to_disk(str(tmp_path / "data"))
-    monkeypatch.setattr(d3d_hf.targets, "load_target", lambda name, dtype="float32": (train_target, None))
+    _tiny_dataset(target).save_to_disk(str(tmp_path / "data"))
+    monkeypatch.setattr(d3d_hf.targets, "load_target", lambda name, dtype="float32": (target, None))
     script = D3DTrainScriptArguments(target="tiny", data=str(tmp_path / "data"), tau_holdout=1, init_block_size=BLOCK)
 
     def run(output, **kwargs):

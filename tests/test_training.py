@@ -4,7 +4,7 @@ adapter save/load."""
 import pytest
 import torch
 import torch.nn.functional as F
-from _tiny import random_prompt, tiny_target
+from _tiny import random_prompt
 from d3d_hf.modeling.modeling_d3d import draft_attention_mask
 from datasets import Dataset
 
@@ -18,11 +18,6 @@ from d3d_hf.training import (
 )
 
 BLOCK = 4
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target("llama", seed=4)
 
 
 @pytest.fixture(scope="module")
