@@ -1,20 +1,101 @@
-"""Checkpoints (modeling/checkpoint_d3d.py) on tiny random float32 models: atomic saves (an interrupted save keeps the
-previous checkpoint and leaves no temporary folder; other files in the folder are kept; weights of an earlier save
-never shadow the new ones) and the checks at load time (no mask token, missing weights, a config that does not fit
-the weights or lacks required fields, damaged safetensors files and shards).
+"""Checkpoints (modeling/checkpoint_d3d.py) on tiny random float32 models: save/load round trips, with and without
+`trust_remote_code` (also in a process without d3d_hf); atomic saves (an interrupted save keeps the previous
+checkpoint and leaves no temporary folder; other files in the folder are kept; weights of an earlier save never
+shadow the new ones) and the checks at load time (no mask token, missing weights, a config that does not fit the
+weights or lacks required fields, damaged safetensors files and shards).
 """
 
 import json
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
-from _tiny import crash_safetensors_writer, tiny_target
+from _tiny import crash_safetensors_writer, random_prompt, tiny_target
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
-from d3d_hf import D3DForDiffusionDrafting
+from d3d_hf import D3DCache, D3DForDiffusionDrafting
 from d3d_hf.drafters import load_drafter
+
+# ----------------------------------------------------------------------------------------------------------------------
+# save/load round trips
+
+
+@pytest.fixture
+def drafter():
+    torch.manual_seed(0)
+    d = D3DForDiffusionDrafting.from_autoregressive(tiny_target("qwen3"), layer_ids=[0, 2], block_size=4)
+    with torch.no_grad():
+        d.model.mask_embedding.weight.normal_()
+    return d
+
+
+def _assert_identical(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+    ids = random_prompt(6)
+    assert torch.equal(a.draft_logits(ids, D3DCache()), b.draft_logits(ids, D3DCache()))
+
+
+def test_round_trip_is_bit_identical(drafter, tmp_path):
+    path = tmp_path / "my.d3d-drafter_v0.1"
+    drafter.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "d3d"
+    assert config["auto_map"]["AutoModel"].endswith("modeling_d3d.D3DForDiffusionDrafting")
+    assert config["source_layer_ids"] == [0, 2]
+    for name in ("configuration_d3d.py", "modeling_d3d.py", "generation_d3d.py", "model.safetensors"):
+        assert (path / name).exists(), name
+    _assert_identical(drafter, AutoModel.from_pretrained(path))
+    _assert_identical(drafter, AutoModel.from_pretrained(path, trust_remote_code=True))
+    _assert_identical(drafter, load_drafter(str(path)))
+
+
+def test_remote_code_without_d3d_hf_installed(drafter, tmp_path):
+    """A fresh interpreter that cannot import d3d_hf loads the folder with trust_remote_code and decodes losslessly."""
+    path = tmp_path / "remote.code-drafter_1.0"
+    drafter.save_pretrained(path)
+    reference_logits = drafter.draft_logits(random_prompt(6), D3DCache())
+    torch.save(reference_logits, tmp_path / "ref.pt")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["d3d_hf"] = None  # make `import d3d_hf` fail
+        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
+        import torch
+        from transformers import AutoModel
+        from _tiny import random_prompt, tiny_target
+        drafter = AutoModel.from_pretrained({str(path)!r}, trust_remote_code=True)
+        assert type(drafter).__module__.startswith("transformers_modules"), type(drafter).__module__
+        mod = sys.modules[type(drafter).__module__]
+        logits = drafter.draft_logits(random_prompt(6), mod.D3DCache())
+        # same weights and code; bitwise equality across processes is not guaranteed (BLAS thread scheduling)
+        reference = torch.load({str(tmp_path / "ref.pt")!r})
+        assert torch.allclose(logits, reference, rtol=1e-5, atol=1e-5), (logits - reference).abs().max()
+        target = tiny_target("qwen3")
+        ids = random_prompt(5)
+        ref = target.generate(ids, max_new_tokens=30, do_sample=False)
+        out = target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False)
+        assert torch.equal(ref, out)
+        assert drafter.last_generation_stats.rounds > 0  # the D3D candidate generator was used
+        try:
+            AutoModel.from_pretrained({str(path)!r}, trust_remote_code=False)
+        except ValueError as err:
+            assert "trust_remote_code" in str(err)
+        else:
+            raise AssertionError("loading without trust_remote_code should fail")
+        print("OK")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "OK" in result.stdout
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # atomic saves: interrupted saves, existing folders
