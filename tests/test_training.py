@@ -1,18 +1,23 @@
 """D3D training (d3d_hf.training) on a tiny random Llama target: objective against a direct computation, attention
-mask, logging, trainable parameters, resume, adapter save/load, several processes; edges (sequences shorter than a
+mask, logging, trainable parameters, resume, adapter save/load, several processes; the autoregressive-only objective
+of the baseline assistant (examples/train_ar_assistant.sh trains and exports one); edges (sequences shorter than a
 block, blocks with nothing or everything masked, batches with nothing to score) and runs killed while writing a
 checkpoint (resume picks the last complete one, also through `d3d-hf train`)."""
 
+import shlex
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from _tiny import crash_safetensors_writer, random_prompt
+from _tiny import crash_safetensors_writer, random_prompt, tiny_tokenizer
 from d3d_hf.modeling.modeling_d3d import draft_attention_mask
 from datasets import Dataset
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from d3d_hf import D3DForDiffusionDrafting
+from d3d_hf.cli import main
 from d3d_hf.training import (
     D3DDataCollator,
     D3DTrainer,
@@ -22,6 +27,7 @@ from d3d_hf.training import (
     is_complete_checkpoint,
     last_complete_checkpoint,
 )
+from d3d_hf.training import main as train_main
 
 BLOCK = 4
 
@@ -271,6 +277,101 @@ def test_ar_loss_has_no_gradient_on_block_adapters(target, dataset):
     assert all(g is None or torch.count_nonzero(g) == 0 for g in ar_grads)
     block_grads = torch.autograd.grad(losses["block_loss"], trainable, allow_unused=True)
     assert sum(int(torch.count_nonzero(g)) for g in block_grads if g is not None) > 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the autoregressive-only objective: the baseline assistant (ar-assist) and its recipe
+
+
+RECIPE = Path(__file__).resolve().parents[1] / "examples" / "train_ar_assistant.sh"
+
+
+@pytest.fixture(scope="module")
+def ar_dataset(target):
+    return Dataset.from_list(_answered_rows(target, 8))
+
+
+def _ar_config(tmp_path, **kwargs):
+    """The autoregressive-only objective: the block loss off, every weight trained."""
+    defaults = {"max_steps": 3, "train_mode": "full", "block_loss_weight": 0.0, "ar_loss_weight": 1.0}
+    return _training_config(tmp_path, **{**defaults, **kwargs})
+
+
+def test_config_allows_the_ar_loss_alone_and_rejects_what_cannot_train(tmp_path):
+    assert _ar_config(tmp_path).block_loss_weight == 0.0
+    with pytest.raises(ValueError, match="block adapters do not affect"):
+        _ar_config(tmp_path, train_mode="block_adapter")
+    with pytest.raises(ValueError, match="both 0"):
+        _ar_config(tmp_path, ar_loss_weight=0.0)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        _ar_config(tmp_path, block_loss_weight=-1.0)
+
+
+def test_losses_without_blocks_skip_the_noisy_pass(target, ar_dataset):
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    batch = D3DDataCollator(block_size=4, anchors_per_sequence=3)(list(ar_dataset))
+    full = d3d_losses(drafter, batch, block_size=4, gamma=7.0)
+    ar_only = d3d_losses(drafter, batch, block_size=4, gamma=7.0, compute_block=False)
+    torch.testing.assert_close(ar_only["ar_loss"], full["ar_loss"])
+    assert float(ar_only["block_loss"]) == 0.0 and int(ar_only["block_tokens"]) == 0
+    assert int(full["block_tokens"]) > 0
+
+
+@pytest.mark.parametrize("mode", ["full", "peft"])
+def test_ar_only_training_changes_every_trainable_parameter(target, ar_dataset, tmp_path, mode):
+    torch.manual_seed(0)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, num_layers=2, block_size=4)
+    trainer = D3DTrainer(drafter, _ar_config(tmp_path, train_mode=mode), train_dataset=ar_dataset)
+    trainable = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and not any("mask_embedding" in n for n in trainable)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert logged and all(h["block_loss"] == 0.0 and h["ar_loss"] > 0 for h in logged)
+    after = dict(trainer.model.named_parameters())
+    assert not [n for n, p in trainable.items() if torch.equal(p, after[n].detach())]
+
+
+def _recipe_command(name: str) -> list[str]:
+    """The `d3d-hf NAME ...` command of the recipe, continuation lines joined, split like the shell would."""
+    text = RECIPE.read_text().replace("\\\n", " ")
+    line = next(ln for ln in text.splitlines() if ln.startswith(f"d3d-hf {name} "))
+    return shlex.split(line)[2:]
+
+
+def _override(argv: list[str], **values: str) -> list[str]:
+    out = list(argv)
+    for flag, value in values.items():
+        out[out.index(f"--{flag}") + 1] = value
+    return out
+
+
+def test_recipe_trains_and_exports_an_assistant_on_a_tiny_target(target, ar_dataset, tmp_path):
+    """examples/train_ar_assistant.sh's own train and export flags, with a tiny target, its data and 2 steps."""
+    target.save_pretrained(tmp_path / "target")
+    tiny_tokenizer().save_pretrained(tmp_path / "target")
+    ar_dataset.save_to_disk(str(tmp_path / "data" / "dataset"))
+    train = _recipe_command("train")
+    assert "--block_loss_weight" in train and train[train.index("--block_loss_weight") + 1] == "0"
+    train = _override(
+        train,
+        target=str(tmp_path / "target"),
+        data=str(tmp_path / "data"),
+        output_dir=str(tmp_path / "run"),
+        max_steps="2",
+        num_layers="2",
+        threads="1",
+    )
+    assert train_main(train + ["--disable_tqdm", "true", "--report_to", "none"]) == 0
+    export = _override(
+        _recipe_command("export-causal-lm"), drafter=str(tmp_path / "run"), output=str(tmp_path / "assistant")
+    )
+    assert main(["export-causal-lm", *export]) == 0
+    assistant = AutoModelForCausalLM.from_pretrained(tmp_path / "assistant")
+    assert isinstance(assistant, LlamaForCausalLM) and assistant.config.num_hidden_layers == 2
+    assert (tmp_path / "assistant" / "tokenizer.json").is_file()
+    ids = random_prompt(7, seed=6)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert torch.equal(target.generate(ids, assistant_model=assistant, **kwargs), target.generate(ids, **kwargs))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
