@@ -1,9 +1,10 @@
-"""Asynchronous D3D (packed successor drafting during verification) on tiny random targets."""
+"""Asynchronous D3D generation (modeling/generation_d3d.py's async engine: packed successor drafting during
+verification) on tiny random targets: lossless greedy decoding, forced hits and misses, options from the call or
+the drafter, the worker thread, no pass left running after generate, CUDA."""
 
 import pytest
 import torch
 from _tiny import perturbed_drafter, random_prompt, tiny_target
-from d3d_hf.modeling.modeling_d3d import D3DCache, packed_attention_mask, packed_metadata
 from transformers import GenerationConfig
 
 from d3d_hf import D3DForDiffusionDrafting
@@ -13,47 +14,6 @@ def _greedy(target, ids, drafter=None, max_new_tokens=40, **options):
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, **options)
     return target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
                            generation_config=config)
-
-
-def test_packed_mask_rule_position_by_position():
-    """Chain causal; each block sees the prefix, its hypothesis' chain, its own anchor (causally) and itself."""
-    segment, position, chain_len = packed_metadata(3, [0, 2], 3)
-    mask = packed_attention_mask(segment, position, chain_len, prefix_length=2)
-    assert mask.shape == (3 + 2 * 3, 2 + 3 + 2 * 3)
-    assert mask[:, :2].all()
-    for t in range(mask.shape[0]):
-        for s in range(3 + 6):
-            seg_t, seg_s = int(segment[t]), int(segment[s])
-            if seg_s == 0:
-                expected = int(position[s]) < int(chain_len[t])
-            else:
-                expected = seg_s == seg_t and (int(position[t]) > 0 or int(position[s]) == 0)
-            assert bool(mask[t, 2 + s]) == expected, (t, s)
-    with pytest.raises(ValueError, match="chain length"):
-        packed_metadata(3, [4], 3)
-
-
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_packed_pass_equals_synchronous_drafts_for_each_hypothesis(block_size):
-    target = tiny_target("qwen3")
-    drafter = perturbed_drafter(target, block_size)
-    cache = D3DCache()
-    drafter.draft_logits(random_prompt(9), cache)
-    chain = torch.randint(3, 97, (1, block_size - 1), generator=torch.Generator().manual_seed(0))
-    lengths = sorted({0, 1, block_size // 2, block_size - 1})
-    guesses = [11 + h for h in range(len(lengths))]
-    packed = drafter.packed_draft_logits(chain, cache, lengths, guesses)
-    assert cache.get_seq_length() == 9 and packed.logits.shape == (len(lengths), block_size, 97)
-    for h, (m, g) in enumerate(zip(lengths, guesses, strict=True)):
-        reference_cache, committed_cache = D3DCache(), D3DCache()
-        for c in (reference_cache, committed_cache):
-            c.key_cache, c.value_cache = list(cache.key_cache), list(cache.value_cache)
-        reference = drafter.draft_logits(torch.cat([chain[:, :m], torch.tensor([[g]])], dim=1), reference_cache)
-        torch.testing.assert_close(packed.logits[h], reference[0], atol=1e-5, rtol=1e-5)
-        packed.commit(committed_cache, m, h)
-        assert committed_cache.get_seq_length() == reference_cache.get_seq_length() == 9 + m + 1
-        for a, b in zip(committed_cache.key_cache, reference_cache.key_cache, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
