@@ -1,12 +1,11 @@
-"""Reports (d3d_hf.report) and the `d3d-hf bench --output-dir`, `report` and `cost-model` commands, on tiny models
-saved as folders with a word-level tokenizer."""
+"""Reports (d3d_hf.report): tables, and the `d3d-hf bench --output-dir` and `report` commands on tiny models saved
+as folders with a word-level tokenizer."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from _tiny import tiny_target, tiny_tokenizer
 
 from d3d_hf.cli import main
 from d3d_hf.report import PLOTS, format_suite_table, write_report
@@ -74,55 +73,6 @@ def test_bench_output_dir_writes_results_report_and_plots(tiny_folders, tmp_path
     combined = (tmp_path / "report" / "report.md").read_text()
     assert combined.count("| d3d |") == 2 and "| other | d3d |" in combined
     assert all((tmp_path / "report" / name).read_bytes()[:8] == PNG for name in PLOTS)
-
-
-def test_bench_argument_errors_for_new_methods(tiny_folders, capsys):
-    assert main(["bench", "--target", str(tiny_folders / "target"), "--methods", "target,ar-assist"]) == 2
-    assert "needs --assistant" in capsys.readouterr().err
-    bad = tiny_folders / "bad_assistant"
-    tiny_target("llama", vocab_size=101).save_pretrained(bad)
-    tiny_tokenizer(101).save_pretrained(bad)
-    args = [
-        "bench",
-        "--target",
-        str(tiny_folders / "target"),
-        "--assistant",
-        str(bad),
-        "--methods",
-        "target,ar-assist",
-        "--prompts",
-        str(tiny_folders / "prompts.jsonl"),
-        "--max-new-tokens",
-        "2",
-    ]
-    assert main(args) == 2
-    assert "does not use the target's tokenizer" in capsys.readouterr().err
-
-
-def test_cost_model_command(tiny_folders, tmp_path, capsys):
-    out = tmp_path / "cost.json"
-    args = [
-        "cost-model",
-        "--drafter",
-        str(tiny_folders / "drafter"),
-        "--prefix-length",
-        "16",
-        "--repeats",
-        "2",
-        "--tau",
-        "2,3",
-        "--hit-rate",
-        "0.5",
-        "--output",
-        str(out),
-        "--threads",
-        "1",
-    ]
-    assert main(args) == 0
-    printed = capsys.readouterr().out
-    assert "| tau | sync speed-up | async h=0.50 |" in printed and "| 3.00 |" in printed
-    assert json.loads(out.read_text())["block_size"] == 4
-    assert main(["cost-model", "--drafter", str(tiny_folders / "drafter"), "--hit-rate", "2"]) == 2
 
 
 def test_suite_table_aligns_optional_columns():
