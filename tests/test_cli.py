@@ -1,8 +1,10 @@
-"""`d3d-hf` argument errors are reported clearly, before any model is loaded."""
+"""`d3d-hf` (d3d_hf.cli) argument errors are reported clearly (exit code 2, a one-line message), most before any
+model is loaded."""
 
 from pathlib import Path
 
 import pytest
+from _tiny import tiny_target, tiny_tokenizer
 
 from d3d_hf.cli import main
 
@@ -77,3 +79,26 @@ def test_corrupt_drafter_weights_give_a_one_line_error(tmp_path, capsys):
     assert main(["generate", "--drafter", str(folder), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert "\nerror:" in "\n" + err.splitlines()[-1] and "Traceback" not in err and "model.safetensors" in err
+
+
+def test_bench_argument_errors_for_new_methods(tiny_folders, capsys):
+    assert main(["bench", "--target", str(tiny_folders / "target"), "--methods", "target,ar-assist"]) == 2
+    assert "needs --assistant" in capsys.readouterr().err
+    bad = tiny_folders / "bad_assistant"
+    tiny_target("llama", vocab_size=101).save_pretrained(bad)
+    tiny_tokenizer(101).save_pretrained(bad)
+    args = [
+        "bench",
+        "--target",
+        str(tiny_folders / "target"),
+        "--assistant",
+        str(bad),
+        "--methods",
+        "target,ar-assist",
+        "--prompts",
+        str(tiny_folders / "prompts.jsonl"),
+        "--max-new-tokens",
+        "2",
+    ]
+    assert main(args) == 2
+    assert "does not use the target's tokenizer" in capsys.readouterr().err

@@ -1,33 +1,26 @@
-"""Conversion of real checkpoint layouts: Llama/Qwen3 autoregressive folders and the published D3D layout."""
+"""Conversion (d3d_hf.convert) of real checkpoint layouts: Llama/Qwen3 autoregressive folders and the published D3D
+layout; export of a drafter as a plain causal LM (the autoregressive baseline assistant)."""
 
 import json
 
 import pytest
 import torch
-from _tiny import random_prompt, tiny_target
+from _tiny import random_prompt, tiny_target, word_tokenizer
 from safetensors.torch import save_file
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM
 
 from d3d_hf import D3DCache, D3DForDiffusionDrafting
 from d3d_hf.cli import main
-from d3d_hf.convert import convert_autoregressive_checkpoint, load_published_d3d_checkpoint, spare_mask_token_id
+from d3d_hf.convert import (
+    convert_autoregressive_checkpoint,
+    export_causal_lm,
+    load_published_d3d_checkpoint,
+    spare_mask_token_id,
+)
 from d3d_hf.drafters import load_drafter
 
 VOCAB = 97
-TOKENIZER_SIZE = 90  # fewer tokens than embedding rows, as Qwen3 (151669 tokens, 151936 rows)
-
-
-def tiny_tokenizer(size: int = TOKENIZER_SIZE):
-    """A word-level fast tokenizer of `size` ids (0 pad, 1 bos, 2 eos), built offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, size)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
+TOKENIZER_SIZE = 90  # word_tokenizer(): fewer tokens than embedding rows, as Qwen3 (151669 tokens, 151936 rows)
 
 
 def causal_logits(model, ids):
@@ -40,12 +33,12 @@ def qwen3_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ckpt") / "Qwen3-tiny"
     source = tiny_target("qwen3", vocab_size=VOCAB)
     source.save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
+    word_tokenizer().save_pretrained(folder)
     return folder, source
 
 
 def test_spare_mask_token_id():
-    tok = tiny_tokenizer()
+    tok = word_tokenizer()
     assert spare_mask_token_id(VOCAB, tok) == TOKENIZER_SIZE
     assert spare_mask_token_id(TOKENIZER_SIZE, tok) is None  # the tokenizer fills the vocabulary
     assert spare_mask_token_id(VOCAB, None) is None
@@ -187,3 +180,49 @@ def test_cli_convert_published(tmp_path, capsys):
     assert load_drafter(str(out)).config.block_size == 4
     assert main(["convert", "--from", str(folder), "--output", str(tmp_path / "y"), "--published-d3d",
                  "--num-layers", "1"]) == 2  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# export as a plain causal LM: the assistant of transformers' assisted generation (ar-assist)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_export_computes_the_drafters_causal_path(family, tmp_path):
+    source = tiny_target(family, seed=2)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(source, num_layers=2, block_size=4)
+    drafter.add_block_adapter(2)  # adapters never act on committed tokens: dropped
+    model = export_causal_lm(drafter, tmp_path / "lm")
+    assert isinstance(model, {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}[family])
+    assert model.config.num_hidden_layers == 2
+    ids = random_prompt(9, seed=3)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "lm")
+    with torch.no_grad():
+        expected = drafter(input_ids=ids).logits
+        torch.testing.assert_close(model(ids).logits, expected)
+        torch.testing.assert_close(loaded(ids).logits, expected)
+
+
+def test_export_of_a_weight_sharing_drafter_needs_its_target(target):
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4, shares_target_weights=True)
+    drafter._attached_target = None
+    with pytest.raises(ValueError, match="pass `target=`"):
+        export_causal_lm(drafter)
+    model = export_causal_lm(drafter, target=target)
+    ids = random_prompt(6, seed=1)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, target(ids).logits)
+
+
+def test_cli_export_gives_an_assistant_for_assisted_generation(tmp_path, capsys):
+    source = tiny_target("llama", seed=4, sharpen=10.0)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(source, num_layers=3, block_size=4)
+    drafter.save_pretrained(tmp_path / "drafter")
+    assert main(["export-causal-lm", "--drafter", str(tmp_path / "drafter"), "--output", str(tmp_path / "lm")]) == 0
+    assert "3-layer LlamaForCausalLM" in capsys.readouterr().out
+    assistant = AutoModelForCausalLM.from_pretrained(tmp_path / "lm")
+    ids = random_prompt(7, seed=5)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    out = source.generate(ids, assistant_model=assistant, **kwargs)
+    assert torch.equal(out, source.generate(ids, **kwargs))
+    assert main(["export-causal-lm", "--drafter", str(tmp_path / "drafter"), "--output", str(tmp_path / "lm")]) == 2
+    assert "--overwrite" in capsys.readouterr().err

@@ -1,11 +1,15 @@
-"""Cost model (d3d_hf.costmodel): the speed-up arithmetic against hand computations, and the measurements."""
+"""Cost model (d3d_hf.costmodel): the speed-up arithmetic against hand computations, the measurements, the
+`d3d-hf cost-model` command."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from _tiny import tiny_target
 
 from d3d_hf import D3DForDiffusionDrafting
+from d3d_hf.cli import main
 from d3d_hf.costmodel import (
     CostModel,
     _interpolate,
@@ -100,3 +104,29 @@ def test_measurement_on_tiny_models():
     assert all(ms > 0 for ms in [*cost.target_ms.values(), *cost.draft_ms.values()])
     assert cost.block_size == 4 and cost.settings["dtype"] == "float32"
     assert cost.sync_speedup(2.0) > 0
+
+
+def test_cost_model_command(tiny_folders, tmp_path, capsys):
+    out = tmp_path / "cost.json"
+    args = [
+        "cost-model",
+        "--drafter",
+        str(tiny_folders / "drafter"),
+        "--prefix-length",
+        "16",
+        "--repeats",
+        "2",
+        "--tau",
+        "2,3",
+        "--hit-rate",
+        "0.5",
+        "--output",
+        str(out),
+        "--threads",
+        "1",
+    ]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "| tau | sync speed-up | async h=0.50 |" in printed and "| 3.00 |" in printed
+    assert json.loads(out.read_text())["block_size"] == 4
+    assert main(["cost-model", "--drafter", str(tiny_folders / "drafter"), "--hit-rate", "2"]) == 2

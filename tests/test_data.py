@@ -1,28 +1,20 @@
-"""Tests for d3d_hf.data: stdlib prompts, prompt-source specs, target-distilled generation with resume."""
+"""Tests for d3d_hf.data: target-answered (distilled) datasets, generated in batches with resume, and the
+`d3d-hf data` command (the stdlib prompts and prompt-source specs are tested in test_prompts.py)."""
 
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 import torch
 from _tiny import tiny_target
 
-from d3d_hf.data import (
-    MAX_SOURCE_CHARS,
-    SETTINGS_FILE,
-    STDLIB_KINDS,
-    generate_dataset,
-    load_prompt_sources,
-    stdlib_prompts,
-)
+from d3d_hf.data import SETTINGS_FILE, generate_dataset, stdlib_prompts
 from d3d_hf.prompts import Prompt, encode_prompt
 
 datasets = pytest.importorskip("datasets", reason="pip install 'd3d-hf[train]'")
 
 VOCAB = 97
-_ID = re.compile(r"^stdlib/[A-Za-z0-9_.]+/(" + "|".join(STDLIB_KINDS) + r")$")
 
 
 def _tiny_tokenizer():
@@ -70,67 +62,6 @@ def _count_generated(model):
 
     model.generate = counting
     return calls
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# stdlib prompts
-
-
-def test_stdlib_prompts_deterministic_with_expected_kinds():
-    a = stdlib_prompts(limit=60, seed=0)
-    assert a == stdlib_prompts(limit=60, seed=0)
-    assert [p.id for p in a] != [p.id for p in stdlib_prompts(limit=60, seed=1)]
-    assert len(a) == 60 and len({p.id for p in a}) == 60
-    kinds = [_ID.match(p.id).group(1) for p in a]
-    assert set(kinds) == set(STDLIB_KINDS)
-    assert kinds[: len(STDLIB_KINDS)] == list(STDLIB_KINDS)  # interleaved round-robin
-    for p in a:
-        assert len(p.messages) == 1 and p.messages[0]["role"] == "user" and p.messages[0]["content"]
-        assert not p.id.startswith("stdlib/test")
-        content = p.messages[0]["content"]
-        if "```python\n" in content:
-            source = content.split("```python\n", 1)[1].rsplit("\n```", 1)[0]
-            assert 0 < len(source) <= MAX_SOURCE_CHARS
-            assert source.lstrip().startswith(("def ", "async def "))
-
-
-def test_stdlib_prompts_full_set_is_large_and_a_prefix_stable():
-    everything = stdlib_prompts()
-    assert len(everything) > 2000
-    assert stdlib_prompts(limit=25) == everything[:25]
-    assert not any("idlelib" in p.id or "tkinter" in p.id or "HumanEval" in p.id for p in everything)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# prompt-source specs
-
-
-def test_load_prompt_sources_mixes_stdlib_and_files(tmp_path):
-    path = tmp_path / "extra.jsonl"
-    path.write_text("\n".join(json.dumps({"id": f"x{i}", "prompt": f"Say {i}."}) for i in range(4)) + "\n")
-    prompts = load_prompt_sources(f"stdlib:7, {path}:3")
-    assert len(prompts) == 10
-    assert prompts[:7] == stdlib_prompts(limit=7)
-    assert [p.id for p in prompts[7:]] == ["x0", "x1", "x2"]
-    assert len(load_prompt_sources(str(path))) == 4
-
-
-@pytest.mark.parametrize("spec", ["humaneval", "HumanEval:5", "stdlib:3,humaneval"])
-def test_load_prompt_sources_rejects_evaluation_sets(spec):
-    with pytest.raises(ValueError, match="evaluation set"):
-        load_prompt_sources(spec)
-
-
-def test_load_prompt_sources_rejects_evaluation_ids_duplicates_and_bad_counts(tmp_path):
-    path = tmp_path / "leak.jsonl"
-    path.write_text(json.dumps({"id": "HumanEval/3", "prompt": "x"}) + "\n")
-    with pytest.raises(ValueError, match="evaluation prompt"):
-        load_prompt_sources(str(path))
-    with pytest.raises(ValueError, match="unique"):
-        load_prompt_sources("stdlib:2,stdlib:2")
-    for bad in ("stdlib:0", "stdlib:x", "", "stdlib:2,,stdlib:3"):
-        with pytest.raises(ValueError):
-            load_prompt_sources(bad)
 
 
 # ---------------------------------------------------------------------------------------------------------------

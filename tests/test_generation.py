@@ -1,24 +1,123 @@
-"""Lossless `target.generate(..., assistant_model=drafter)` on tiny random Llama- and Qwen3-style targets."""
+"""Synchronous D3D generation (modeling/generation_d3d.py: the candidate generator and the generate hook), on tiny
+random float32 Llama- and Qwen3-style targets: `target.generate(..., assistant_model=drafter)` is lossless.
+
+Greedy decoding: block sizes and depths, length limits, eos inside a drafted block, streamers, logits processors,
+returned scores, state between calls; property-based (hypothesis, derandomised) losslessness with length-limit,
+streamer and drafter-cache invariants (synchronous and asynchronous drafting); targets that emit the mask or filler
+id; every draft rejected, every draft accepted, acceptance exactly at the budget; a bfloat16 drafter for a float32
+target. Refused before any decoding work: batches, an empty prompt, a prompt longer than the context, a drafter
+without a mask token. The generate hook. Sampling keeps the target's distribution.
+"""
 
 import pytest
 import torch
 from _tiny import FAMILIES, random_prompt, tiny_target
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from torch import nn
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
-from d3d_hf import D3DForDiffusionDrafting, install_generation_hook, remove_generation_hook
+from d3d_hf import D3DCache, D3DForDiffusionDrafting, install_generation_hook, remove_generation_hook
+from d3d_hf.drafters import load_drafter
+
+# ----------------------------------------------------------------------------------------------------------------------
+# helpers
 
 
-def _pair(family="llama", num_layers=None, block_size=4, seed=0, sharpen=1.0, vocab_size=97):
+def _pair(family="llama", num_layers=None, block_size=4, seed=0, sharpen=1.0, vocab_size=97, **drafter_kwargs):
     target = tiny_target(family, seed=seed, sharpen=sharpen, vocab_size=vocab_size)
-    drafter = D3DForDiffusionDrafting.from_autoregressive(target, num_layers=num_layers, block_size=block_size)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(
+        target, num_layers=num_layers, block_size=block_size, **drafter_kwargs
+    )
     return target, drafter
 
 
 def _greedy(target, ids, drafter=None, **kwargs):
-    kwargs.setdefault("max_new_tokens", 40)
-    return target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, do_sample=False,
-                           **kwargs)
+    if "max_length" not in kwargs:
+        kwargs.setdefault("max_new_tokens", 40)
+    return target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, do_sample=False, **kwargs)
+
+
+class _Recorder(BaseStreamer):
+    """Records every `put` (one chunk per call) and whether `end` was called."""
+
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+    @property
+    def tokens(self):
+        return [t for chunk in self.chunks for t in chunk]
+
+
+def _bias_lm_head(model, bias: dict[int, float]):
+    """Gives `model.lm_head` a bias (same weight tensor, so tied embeddings stay tied): logits of `bias`'s ids move
+    by the given amounts, whatever the context."""
+    old = model.lm_head
+    head = nn.Linear(old.in_features, old.out_features, bias=True)
+    head.weight = old.weight
+    with torch.no_grad():
+        head.bias.zero_()
+        for token, value in bias.items():
+            head.bias[token] = value
+    model.lm_head = head
+    return model
+
+
+class _Instrumented:
+    """Wraps a drafter's candidate generator to check, after every `get_candidates` call, that the drafter's cache
+    holds exactly the committed sequence (same keys as a fresh causal pass over it) and that the drafts fit the
+    length budget. Records the drafts of every round."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.rounds = []  # (committed length, number of drafts)
+        self.generator = None
+        self._build = drafter.build_candidate_generator
+        drafter.build_candidate_generator = self.build
+
+    def build(self, **kwargs):
+        self.generator = generator = self._build(**kwargs)
+        get_candidates = generator.get_candidates
+
+        def checked(input_ids, **kw):
+            cache = generator.cache
+            before = cache.get_seq_length()
+            candidates, scores = get_candidates(input_ids, **kw)
+            cur_len = input_ids.shape[1]
+            num_drafts = candidates.shape[1] - cur_len
+            assert torch.equal(candidates[:, :cur_len], input_ids)
+            assert num_drafts <= max(min(generator.block_size - 1, generator.max_length - cur_len - 1), 0)
+            assert (scores is None) == (num_drafts == 0)
+            if scores is not None:
+                assert scores.shape[:2] == (1, num_drafts)
+            # after a draft pass the cache holds exactly the committed tokens (the masks are rolled back); a round
+            # without drafts may still commit what a joined asynchronous pass verified (a prefix of them)
+            after = cache.get_seq_length()
+            assert after == cur_len if num_drafts > 0 else before <= after <= cur_len
+            if after > 0:
+                fresh = D3DCache()
+                with torch.no_grad():
+                    self.drafter(
+                        input_ids=input_ids[:, :after], past_key_values=fresh, use_cache=True, logits_to_keep=1
+                    )
+                for got, want in zip(cache.key_cache, fresh.key_cache, strict=True):
+                    torch.testing.assert_close(got.float(), want.float(), rtol=1e-4, atol=1e-4)
+            self.rounds.append((cur_len, num_drafts))
+            return candidates, scores
+
+        generator.get_candidates = checked
+        return generator
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# greedy decoding
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -67,17 +166,6 @@ def test_eos_inside_a_drafted_block_stops_exactly(stop_index):
         out = _greedy(target, ids, drafter, eos_token_id=eos_ids, pad_token_id=0)
         assert torch.equal(out, ref)
         assert out[0, -1].item() == eos and out.shape[1] - ids.shape[1] == continuation.index(eos) + 1
-
-
-class _Recorder(BaseStreamer):
-    def __init__(self):
-        self.tokens, self.ended = [], False
-
-    def put(self, value):
-        self.tokens.extend(value.flatten().tolist())
-
-    def end(self):
-        self.ended = True
 
 
 def test_streamer_receives_exactly_the_output():
@@ -144,6 +232,261 @@ def test_batch_larger_than_one_is_rejected_clearly():
         _greedy(target, ids, drafter)
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# property-based decoding
+
+
+PROPERTY_SETTINGS = settings(
+    derandomize=True,
+    max_examples=200,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@st.composite
+def decoding_cases(draw):
+    vocab_size = draw(st.sampled_from([13, 31, 97]))
+    return dict(
+        family=draw(st.sampled_from(FAMILIES)),
+        vocab_size=vocab_size,
+        seed=draw(st.integers(0, 10_000)),
+        sharpen=draw(st.sampled_from([1.0, 4.0, 16.0])),
+        num_layers=draw(st.sampled_from([None, None, 1, 2])),
+        block_size=draw(st.integers(1, 9)),
+        mask_token_id=draw(st.one_of(st.none(), st.integers(0, vocab_size - 1))),
+        prompt=draw(st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=10)),
+        use_max_length=draw(st.booleans()),
+        new_tokens=draw(st.integers(1, 24)),
+        eos=draw(st.one_of(st.sampled_from(["none", "config"]), st.integers(0, 23))),
+        eos_as_list=draw(st.booleans()),
+        asynchronous=draw(st.booleans()),
+        num_hypotheses=draw(st.integers(1, 9)),
+    )
+
+
+@PROPERTY_SETTINGS
+@given(case=decoding_cases())
+def test_property_greedy_with_drafter_is_target_alone(case):
+    """Random tiny models, prompts, block sizes, lengths, eos positions, synchronous or asynchronous drafting (1..B
+    hypotheses): greedy output with the drafter equals the target's own output, never exceeds `max_new_tokens` /
+    `max_length`, and the streamer receives exactly the
+    returned tokens (the prompt, then one chunk per verification round of `acceptance_lengths` tokens)."""
+    target = tiny_target(case["family"], vocab_size=case["vocab_size"], seed=case["seed"], sharpen=case["sharpen"])
+    drafter = D3DForDiffusionDrafting.from_autoregressive(
+        target, num_layers=case["num_layers"], block_size=case["block_size"], mask_token_id=case["mask_token_id"]
+    )
+    if case["asynchronous"]:  # packed successor drafting; the instrument checks every committed packed key
+        drafter.generation_config.d3d_async = True
+        drafter.generation_config.d3d_num_hypotheses = min(case["num_hypotheses"], case["block_size"])
+    ids = torch.tensor([case["prompt"]])
+    prompt_len = ids.shape[1]
+    if case["use_max_length"]:
+        limit = dict(max_length=prompt_len + case["new_tokens"])
+    else:
+        limit = dict(max_new_tokens=case["new_tokens"])
+    if case["eos"] == "none":
+        eos = None
+    elif case["eos"] == "config":
+        eos = target.generation_config.eos_token_id
+    else:  # a token of the continuation, so that generation stops at a chosen position of some block
+        continuation = _greedy(target, ids, eos_token_id=None, pad_token_id=0, **limit)[0, prompt_len:].tolist()
+        eos = continuation[case["eos"] % len(continuation)]
+    if eos is not None and case["eos_as_list"]:
+        eos = [(eos + 1) % case["vocab_size"], eos]
+    kwargs = dict(eos_token_id=eos, pad_token_id=0, **limit)
+
+    ref_stream, stream = _Recorder(), _Recorder()
+    ref = _greedy(target, ids, streamer=ref_stream, **kwargs)
+    instrumented = _Instrumented(drafter)
+    out = _greedy(target, ids, drafter, streamer=stream, **kwargs)
+
+    assert torch.equal(out, ref)
+    new = out.shape[1] - prompt_len
+    assert 1 <= new <= case["new_tokens"]
+    assert stream.tokens == out[0].tolist() == ref_stream.tokens and stream.ended
+    stats = drafter.last_generation_stats
+    assert stream.chunks[0] == case["prompt"]
+    assert [len(chunk) for chunk in stream.chunks[1:]] == stats.acceptance_lengths
+    assert stats.new_tokens == sum(stats.acceptance_lengths) == new
+    assert stats.rounds == len(instrumented.rounds) == len(stats.acceptance_lengths)
+    assert stats.drafted_tokens == sum(n for _, n in instrumented.rounds)
+    assert all(1 <= a <= case["block_size"] for a in stats.acceptance_lengths)
+    event(f"accepted drafts: {'none' if stats.accepted_drafts == 0 else 'some'}")
+    event(f"a full block accepted: {case['block_size'] > 1 and case['block_size'] in stats.acceptance_lengths}")
+    event(f"stopped by: {'eos' if new < case['new_tokens'] else 'length'}")
+    event(f"async packed blocks used: {stats.hits > 0}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# targets that emit the mask or filler id
+
+
+@pytest.mark.parametrize(
+    ("mask_token_id", "preferred"),
+    [(None, 0), (7, 7), (7, 0)],
+    ids=["filler0-mask_embedding", "mask_id7", "filler0-mask_id7"],
+)
+def test_target_emitting_the_mask_or_filler_id_keeps_it(mask_token_id, preferred):
+    """A target (and its full-copy drafter) that often emits the filler id 0 (what `draft_logits` puts at masked
+    positions) or the drafter's `mask_token_id`: the output keeps those tokens, drafts of them are accepted."""
+    target = _bias_lm_head(tiny_target("qwen3", seed=2), {preferred: 2.5})
+    drafter = _bias_lm_head(
+        D3DForDiffusionDrafting.from_autoregressive(target, block_size=5, mask_token_id=mask_token_id),
+        {preferred: 2.5},
+    )
+    instrumented = _Instrumented(drafter)
+    accepted_inside = 0
+    for seed in range(3):
+        ids = random_prompt(6, seed=seed)
+        ref = _greedy(target, ids, max_new_tokens=32, eos_token_id=None, pad_token_id=1)
+        instrumented.rounds.clear()
+        out = _greedy(target, ids, drafter, max_new_tokens=32, eos_token_id=None, pad_token_id=1)
+        assert torch.equal(out, ref)
+        assert out[0, ids.shape[1] :].tolist().count(preferred) >= 4
+        stats = drafter.last_generation_stats
+        # the drafter's d1 is the target's next token, so every round but a budget-cut last one accepts a draft
+        assert min(stats.acceptance_lengths[:-1]) >= 2
+        # drafts of the id are accepted with more accepted drafts after them (drafting goes on past the id)
+        for (cur_len, _), accepted in zip(instrumented.rounds, stats.acceptance_lengths, strict=True):
+            accepted_inside += preferred in out[0, cur_len : cur_len + accepted - 2].tolist()
+    assert accepted_inside >= 3
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# rollback edges
+
+
+def test_every_draft_rejected():
+    """A drafter that drafts only a token the target never emits: every round commits exactly one token, the output
+    is the target's."""
+    garbage = 11
+    target = _bias_lm_head(tiny_target("llama", seed=6), {garbage: -100.0})
+    drafter = _bias_lm_head(D3DForDiffusionDrafting.from_autoregressive(target, block_size=6), {garbage: 100.0})
+    ids = random_prompt(5, seed=3)
+    ref = _greedy(target, ids, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
+    instrumented = _Instrumented(drafter)
+    out = _greedy(target, ids, drafter, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out, ref)
+    stats = drafter.last_generation_stats
+    assert stats.accepted_drafts == 0 and stats.acceptance_lengths == [1] * 20
+    assert stats.drafted_tokens == sum(n for _, n in instrumented.rounds) > 0
+    assert garbage not in out[0, ids.shape[1] :].tolist()
+
+
+def _always(token: int, block_size: int):
+    """A target that emits `token` whatever the context, and a drafter that drafts it: every draft is accepted."""
+    target = _bias_lm_head(tiny_target("qwen3", seed=8), {token: 100.0})
+    drafter = _bias_lm_head(D3DForDiffusionDrafting.from_autoregressive(target, block_size=block_size), {token: 100.0})
+    return target, drafter
+
+
+@pytest.mark.parametrize("block_size", [2, 4])
+@pytest.mark.parametrize("budget", range(1, 10))
+@pytest.mark.parametrize("limit", ["max_new_tokens", "max_length"])
+def test_every_draft_accepted_up_to_exactly_the_budget(block_size, budget, limit):
+    """Every draft accepted: full blocks of `block_size` tokens, then a last round that drafts exactly what fits, so
+    the output ends exactly at the budget; nothing is drafted past it."""
+    target, drafter = _always(9, block_size)
+    ids = random_prompt(4, seed=1)
+    length = dict(max_new_tokens=budget) if limit == "max_new_tokens" else dict(max_length=ids.shape[1] + budget)
+    instrumented = _Instrumented(drafter)
+    out = _greedy(target, ids, drafter, eos_token_id=None, pad_token_id=0, **length)
+    assert out[0, ids.shape[1] :].tolist() == [9] * budget
+    full, rest = divmod(budget, block_size)
+    expected = [block_size] * full + ([rest] if rest else [])
+    stats = drafter.last_generation_stats
+    assert stats.acceptance_lengths == expected
+    assert stats.drafted_tokens == stats.accepted_drafts == sum(a - 1 for a in expected)
+    assert [n for _, n in instrumented.rounds] == [a - 1 for a in expected]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# mixed dtypes
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_drafter_for_a_float32_target(family, tmp_path):
+    """A bfloat16 drafter (a copy, and a weight-sharing one loaded in bfloat16 whose shared layers are the float32
+    target's) decodes exactly what the float32 drafter and the target alone decode."""
+    target = tiny_target(family, seed=9, sharpen=3.0)
+    same = D3DForDiffusionDrafting.from_autoregressive(target, num_layers=2, block_size=5)
+    half = D3DForDiffusionDrafting.from_autoregressive(target, num_layers=2, block_size=5).to(torch.bfloat16)
+    shared = D3DForDiffusionDrafting.from_autoregressive(
+        target, block_size=5, shares_target_weights=True, block_lora_rank=4
+    )
+    with torch.no_grad():
+        for name, param in shared.named_parameters():
+            if shared.is_drafter_specific(name):
+                param.normal_(std=0.05)
+    shared.save_pretrained(tmp_path / "shared")
+    shared_half = load_drafter(str(tmp_path / "shared"), dtype="bfloat16")
+    assert shared_half.model.mask_embedding.weight.dtype == torch.bfloat16
+    for seed in range(3):
+        ids = random_prompt(6, seed=seed)
+        ref = _greedy(target, ids, max_new_tokens=30)
+        assert torch.equal(_greedy(target, ids, same, max_new_tokens=30), ref)
+        assert torch.equal(_greedy(target, ids, half, max_new_tokens=30), ref)
+        assert torch.equal(_greedy(target, ids, shared_half, max_new_tokens=30), ref)
+        assert shared_half.last_generation_stats.accepted_drafts > 0
+    assert target.dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# errors before any decoding work
+
+
+class _ForwardCounter:
+    """Counts forward passes of the given modules."""
+
+    def __init__(self, *modules):
+        self.calls = 0
+        for module in modules:
+            module.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args):
+        self.calls += 1
+
+
+def test_empty_prompt_is_rejected_before_decoding():
+    target, drafter = _pair()
+    counter = _ForwardCounter(target, drafter)
+    ids = torch.zeros((1, 0), dtype=torch.long)
+    with pytest.raises(ValueError, match=r"prompt is empty \(0 tokens\).*at least one"):
+        _greedy(target, ids, drafter, max_new_tokens=24)
+    assert counter.calls == 0
+
+
+def test_prompt_longer_than_the_target_context_is_rejected_before_decoding():
+    target, drafter = _pair()
+    context = target.config.max_position_embeddings
+    counter = _ForwardCounter(target, drafter)
+    with pytest.raises(ValueError, match=rf"{context + 1} tokens.*target's context is {context}.*shorten"):
+        _greedy(target, random_prompt(context + 1), drafter, max_new_tokens=2)
+    assert counter.calls == 0
+    drafter.config.max_position_embeddings = 16
+    with pytest.raises(ValueError, match=r"17 tokens.*drafter's context is 16"):
+        _greedy(target, random_prompt(17), drafter, max_new_tokens=2)
+    assert counter.calls == 0
+    # a prompt that fills the context exactly is accepted (target alone decodes it too)
+    ids = random_prompt(16)
+    assert torch.equal(_greedy(target, ids, drafter, max_new_tokens=3), _greedy(target, ids, max_new_tokens=3))
+
+
+def test_drafter_without_a_mask_token_is_rejected_before_decoding():
+    target, drafter = _pair(mask_token_id=5)
+    drafter.config.mask_token_id = None  # no mask id, and no separate mask embedding either
+    counter = _ForwardCounter(target, drafter)
+    with pytest.raises(ValueError, match="no mask token.*mask_token_id"):
+        _greedy(target, random_prompt(), drafter, max_new_tokens=24)
+    assert counter.calls == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the generate hook
+
+
 def test_hook_is_idempotent_and_reversible():
     from transformers.generation import GenerationMixin
 
@@ -161,6 +504,10 @@ def test_hook_is_idempotent_and_reversible():
     small = tiny_target("llama", seed=5, num_layers=1)
     ids = random_prompt()
     assert torch.equal(_greedy(target, ids, small), _greedy(target, ids))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# sampling
 
 
 def _exact_two_token_distribution(target, ids, temperature, top_k):

@@ -7,11 +7,10 @@ import pytest
 import torch
 import transformers
 import yaml
-from _tiny import tiny_target
+from _tiny import tiny_target, word_tokenizer
 from d3d_hf.modeling.generation_d3d import SUPPORTED_TRANSFORMERS
 from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.errors import EntryNotFoundError
-from test_convert import tiny_tokenizer
 from transformers import AutoModel
 
 from d3d_hf import D3DForDiffusionDrafting
@@ -178,7 +177,7 @@ def test_result_from_benchmark():
 def test_save_pretrained_writes_card_and_keeps_a_user_readme(drafter, tmp_path):
     path = tmp_path / "my.d3d-drafter_v0.1"
     drafter.card_data = DrafterCardData(results=[RESULTS[0]], datasets=["me/target-answers"])
-    drafter.save_pretrained(path, tokenizer=tiny_tokenizer())
+    drafter.save_pretrained(path, tokenizer=word_tokenizer())
     for name in ("model.safetensors", "config.json", *MODELING_FILES, "README.md", CARD_DATA_FILE, "tokenizer.json"):
         assert (path / name).is_file(), name
     assert "card_data" not in json.loads((path / "config.json").read_text())  # measured numbers stay out of config
@@ -199,7 +198,7 @@ def test_save_pretrained_writes_card_and_keeps_a_user_readme(drafter, tmp_path):
 
 def test_push_to_hub_uploads_a_complete_folder(drafter, fake_hub, tmp_path):
     drafter.card_data = {"results": [RESULTS[0]]}
-    drafter.push_to_hub("me/d3d-tiny", tokenizer=tiny_tokenizer(), private=True)
+    drafter.push_to_hub("me/d3d-tiny", tokenizer=word_tokenizer(), private=True)
     assert fake_hub["create_repo"]["private"] is True
     (commit,) = fake_hub["commits"]
     files = commit["files"]
@@ -240,7 +239,7 @@ def test_save_pretrained_with_push_to_hub_uploads_the_drafter_card(drafter, fake
 
 def test_cli_push(drafter, fake_hub, tmp_path, capsys):
     folder = tmp_path / "drafter"
-    drafter.to(torch.bfloat16).save_pretrained(folder, tokenizer=tiny_tokenizer())
+    drafter.to(torch.bfloat16).save_pretrained(folder, tokenizer=word_tokenizer())
     bench = tmp_path / "bench.json"
     bench.write_text(
         json.dumps(
@@ -270,7 +269,7 @@ def test_card_quick_start_runs(tmp_path, capsys):
     """The quick start of a saved card, pointed at local folders, decodes with the D3D candidate generator."""
     target_dir, drafter_dir = tmp_path / "target", tmp_path / "drafter"
     target = tiny_target("qwen3", sharpen=4.0)
-    tokenizer = tiny_tokenizer()
+    tokenizer = word_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     target.save_pretrained(target_dir)
     tokenizer.save_pretrained(target_dir)

@@ -1,9 +1,10 @@
-"""D3D drafter model: configuration, initialisation from autoregressive models, attention structure."""
+"""The D3D drafter model (modeling/modeling_d3d.py): initialisation from autoregressive models (full copies,
+layer selection), the mask embedding or a spare vocabulary id, attention implementations, forward input
+errors."""
 
 import pytest
 import torch
 from _tiny import FAMILIES, random_prompt, tiny_target
-from d3d_hf.modeling.modeling_d3d import draft_attention_mask
 
 from d3d_hf import D3DCache, D3DConfig, D3DForDiffusionDrafting
 
@@ -34,15 +35,6 @@ def test_layer_selection_and_errors():
         D3DForDiffusionDrafting.from_autoregressive(target, layer_ids=[3])
 
 
-def test_config_validation():
-    with pytest.raises(ValueError, match="block_size"):
-        D3DConfig(block_size=0)
-    with pytest.raises(ValueError, match="mask_token_id"):
-        D3DConfig(vocab_size=10, mask_token_id=10)
-    with pytest.raises(ValueError, match="source_layer_ids"):
-        D3DConfig(num_hidden_layers=2, source_layer_ids=[0])
-
-
 def test_mask_embedding_vs_spare_vocab_id():
     target = tiny_target("qwen3")
     separate = D3DForDiffusionDrafting.from_autoregressive(target)
@@ -51,48 +43,6 @@ def test_mask_embedding_vs_spare_vocab_id():
     spare = D3DForDiffusionDrafting.from_autoregressive(target, mask_token_id=96)
     assert spare.model.mask_embedding is None
     assert torch.equal(spare.model.mask_token_embedding(), target.model.embed_tokens.weight[96])
-
-
-def test_draft_attention_mask_structure():
-    mask = draft_attention_mask(num_committed=2, num_masks=3, past_len=4)[0, 0]
-    assert mask.shape == (5, 9)
-    # committed tokens: causal (the second committed token is the anchor)
-    assert mask[0].tolist() == [True] * 5 + [False] * 4
-    assert mask[1].tolist() == [True] * 6 + [False] * 3
-    # masks: see everything committed and each other (bidirectional)
-    assert mask[2:].all()
-
-
-def test_draft_pass_is_causal_for_anchor_and_keeps_cache_committed_only():
-    target = tiny_target("llama")
-    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=5)
-    ids = random_prompt(9)
-    cache = D3DCache()
-    logits = drafter.draft_logits(ids[:, :6], cache)
-    assert logits.shape == (1, 5, 97)
-    assert cache.get_seq_length() == 6
-    # the anchor's output is the autoregressive next-token prediction, unaffected by the masks after it
-    with torch.no_grad():
-        torch.testing.assert_close(logits[:, 0], target(ids[:, :6]).logits[:, -1], rtol=0, atol=1e-5)
-    # incremental: extending the cache gives the same anchor prediction as a fresh pass
-    logits2 = drafter.draft_logits(ids[:, 6:], cache)
-    fresh = drafter.draft_logits(ids, D3DCache())
-    torch.testing.assert_close(logits2, fresh, rtol=0, atol=1e-5)
-    assert cache.get_seq_length() == 9
-
-
-def test_mask_positions_change_block_predictions_only():
-    target = tiny_target("llama")
-    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
-    with torch.no_grad():
-        drafter.model.mask_embedding.weight.normal_()
-    ids = random_prompt(6)
-    a = drafter.draft_logits(ids, D3DCache())
-    with torch.no_grad():
-        drafter.model.mask_embedding.weight.normal_()
-    b = drafter.draft_logits(ids, D3DCache())
-    torch.testing.assert_close(a[:, 0], b[:, 0])
-    assert not torch.allclose(a[:, 1:], b[:, 1:])
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])

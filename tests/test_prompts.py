@@ -1,4 +1,5 @@
-"""Tests for d3d_hf.prompts: HumanEval and JSONL prompt sets, error messages, chat-template encoding."""
+"""Tests for d3d_hf.prompts: HumanEval, GSM8K, MT-Bench/Vicuna and JSONL prompt sets, error messages, the stdlib
+training prompts and prompt-source specs, chat-template encoding."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import gzip
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 import torch
 
 from d3d_hf import prompts as prompts_module
+from d3d_hf.data import MAX_SOURCE_CHARS, STDLIB_KINDS, load_prompt_sources, stdlib_prompts
 from d3d_hf.prompts import HUMANEVAL_INSTRUCTION, Prompt, _to_id_list, encode_prompt, load_prompts
 
 
@@ -218,6 +221,66 @@ def test_empty_file(tmp_path, content):
 def test_bad_limit(limit):
     with pytest.raises(ValueError, match="limit must be a positive integer"):
         load_prompts("humaneval", limit=limit)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# stdlib prompts and prompt-source specs (training prompts: d3d_hf.data)
+
+
+_ID = re.compile(r"^stdlib/[A-Za-z0-9_.]+/(" + "|".join(STDLIB_KINDS) + r")$")
+
+
+def test_stdlib_prompts_deterministic_with_expected_kinds():
+    a = stdlib_prompts(limit=60, seed=0)
+    assert a == stdlib_prompts(limit=60, seed=0)
+    assert [p.id for p in a] != [p.id for p in stdlib_prompts(limit=60, seed=1)]
+    assert len(a) == 60 and len({p.id for p in a}) == 60
+    kinds = [_ID.match(p.id).group(1) for p in a]
+    assert set(kinds) == set(STDLIB_KINDS)
+    assert kinds[: len(STDLIB_KINDS)] == list(STDLIB_KINDS)  # interleaved round-robin
+    for p in a:
+        assert len(p.messages) == 1 and p.messages[0]["role"] == "user" and p.messages[0]["content"]
+        assert not p.id.startswith("stdlib/test")
+        content = p.messages[0]["content"]
+        if "```python\n" in content:
+            source = content.split("```python\n", 1)[1].rsplit("\n```", 1)[0]
+            assert 0 < len(source) <= MAX_SOURCE_CHARS
+            assert source.lstrip().startswith(("def ", "async def "))
+
+
+def test_stdlib_prompts_full_set_is_large_and_a_prefix_stable():
+    everything = stdlib_prompts()
+    assert len(everything) > 2000
+    assert stdlib_prompts(limit=25) == everything[:25]
+    assert not any("idlelib" in p.id or "tkinter" in p.id or "HumanEval" in p.id for p in everything)
+
+
+def test_load_prompt_sources_mixes_stdlib_and_files(tmp_path):
+    path = tmp_path / "extra.jsonl"
+    path.write_text("\n".join(json.dumps({"id": f"x{i}", "prompt": f"Say {i}."}) for i in range(4)) + "\n")
+    prompts = load_prompt_sources(f"stdlib:7, {path}:3")
+    assert len(prompts) == 10
+    assert prompts[:7] == stdlib_prompts(limit=7)
+    assert [p.id for p in prompts[7:]] == ["x0", "x1", "x2"]
+    assert len(load_prompt_sources(str(path))) == 4
+
+
+@pytest.mark.parametrize("spec", ["humaneval", "HumanEval:5", "stdlib:3,humaneval"])
+def test_load_prompt_sources_rejects_evaluation_sets(spec):
+    with pytest.raises(ValueError, match="evaluation set"):
+        load_prompt_sources(spec)
+
+
+def test_load_prompt_sources_rejects_evaluation_ids_duplicates_and_bad_counts(tmp_path):
+    path = tmp_path / "leak.jsonl"
+    path.write_text(json.dumps({"id": "HumanEval/3", "prompt": "x"}) + "\n")
+    with pytest.raises(ValueError, match="evaluation prompt"):
+        load_prompt_sources(str(path))
+    with pytest.raises(ValueError, match="unique"):
+        load_prompt_sources("stdlib:2,stdlib:2")
+    for bad in ("stdlib:0", "stdlib:x", "", "stdlib:2,,stdlib:3"):
+        with pytest.raises(ValueError):
+            load_prompt_sources(bad)
 
 
 # ---------------------------------------------------------------------------------------------------------------

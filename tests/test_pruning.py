@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from _tiny import random_prompt, tiny_target
+from _tiny import perturbed_drafter, random_prompt, tiny_target
 from transformers import AutoModel
 
 from d3d_hf import D3DForDiffusionDrafting
@@ -19,13 +19,7 @@ from d3d_hf.pruning import (
 
 
 def _drafter(target, block_size=4, seed=0):
-    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=block_size)
-    drafter.add_block_adapter(4)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return drafter.eval()
+    return perturbed_drafter(target, block_size, seed=seed, scale=0.05).eval()
 
 
 def _prompts(n=3):

@@ -1,39 +1,16 @@
-"""Reports (d3d_hf.report) and the `d3d-hf bench --output-dir`, `report` and `cost-model` commands, on tiny models
-saved as folders with a word-level tokenizer."""
+"""Reports (d3d_hf.report): tables, and the `d3d-hf bench --output-dir` and `report` commands on tiny models saved
+as folders with a word-level tokenizer."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-import torch
-from _tiny import tiny_target, tiny_tokenizer
 
-from d3d_hf import D3DForDiffusionDrafting
 from d3d_hf.cli import main
 from d3d_hf.report import PLOTS, format_suite_table, write_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    tokenizer = tiny_tokenizer()
-    target = tiny_target("llama", sharpen=10.0)
-    target.save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
-    tiny_target("llama", sharpen=10.0, num_layers=2).save_pretrained(root / "assistant")
-    tokenizer.save_pretrained(root / "assistant")
-    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4, target_model=str(root / "target"))
-    drafter.save_pretrained(root / "drafter", tokenizer=tokenizer)
-    g = torch.Generator().manual_seed(0)
-    lines = [
-        json.dumps({"prompt": " ".join(f"t{i}" for i in torch.randint(3, 97, (8,), generator=g).tolist())})
-        for _ in range(2)
-    ]
-    (root / "prompts.jsonl").write_text("\n".join(lines) + "\n")
-    return root
 
 
 def _bench_args(root, *extra):
@@ -55,9 +32,9 @@ def _bench_args(root, *extra):
     ]
 
 
-def test_bench_output_dir_writes_results_report_and_plots(folders, tmp_path, capsys):
+def test_bench_output_dir_writes_results_report_and_plots(tiny_folders, tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(_bench_args(folders, "--cost-model", "--cost-prefix-length", "16", "--output-dir", str(out))) == 0
+    assert main(_bench_args(tiny_folders, "--cost-model", "--cost-prefix-length", "16", "--output-dir", str(out))) == 0
     printed = capsys.readouterr().out
     assert "predicted speed-up" in printed and "Target forward over n new tokens" in printed
     result = json.loads((out / "results.json").read_text())
@@ -67,7 +44,7 @@ def test_bench_output_dir_writes_results_report_and_plots(folders, tmp_path, cap
     assert all(result["summary"][m]["predicted_speedup"] > 0 for m in ("pld", "ar-assist", "d3d"))
     assert result["cost_model"]["block_size"] == 4 and result["cost_model"]["draft_ms"]
     settings = result["settings"]
-    assert settings["assistant"] == str(folders / "assistant") and settings["block_size"] == 4
+    assert settings["assistant"] == str(tiny_folders / "assistant") and settings["block_size"] == 4
     assert settings["dtype"] == "float32" and settings["torch_threads"] == 1
     assert result["method_settings"]["ar-assist"]["assistant_layers"] == 2
     report = (out / "report.md").read_text()
@@ -75,7 +52,7 @@ def test_bench_output_dir_writes_results_report_and_plots(folders, tmp_path, cap
     for name in PLOTS:
         assert (out / name).read_bytes()[:8] == PNG
     # an existing folder is kept unless --overwrite
-    assert main(_bench_args(folders, "--output-dir", str(out))) == 2
+    assert main(_bench_args(tiny_folders, "--output-dir", str(out))) == 2
     assert "--overwrite" in capsys.readouterr().err
 
     # `d3d-hf report` over several results (here the same one twice, as two prompt sets)
@@ -96,55 +73,6 @@ def test_bench_output_dir_writes_results_report_and_plots(folders, tmp_path, cap
     combined = (tmp_path / "report" / "report.md").read_text()
     assert combined.count("| d3d |") == 2 and "| other | d3d |" in combined
     assert all((tmp_path / "report" / name).read_bytes()[:8] == PNG for name in PLOTS)
-
-
-def test_bench_argument_errors_for_new_methods(folders, capsys):
-    assert main(["bench", "--target", str(folders / "target"), "--methods", "target,ar-assist"]) == 2
-    assert "needs --assistant" in capsys.readouterr().err
-    bad = folders / "bad_assistant"
-    tiny_target("llama", vocab_size=101).save_pretrained(bad)
-    tiny_tokenizer(101).save_pretrained(bad)
-    args = [
-        "bench",
-        "--target",
-        str(folders / "target"),
-        "--assistant",
-        str(bad),
-        "--methods",
-        "target,ar-assist",
-        "--prompts",
-        str(folders / "prompts.jsonl"),
-        "--max-new-tokens",
-        "2",
-    ]
-    assert main(args) == 2
-    assert "does not use the target's tokenizer" in capsys.readouterr().err
-
-
-def test_cost_model_command(folders, tmp_path, capsys):
-    out = tmp_path / "cost.json"
-    args = [
-        "cost-model",
-        "--drafter",
-        str(folders / "drafter"),
-        "--prefix-length",
-        "16",
-        "--repeats",
-        "2",
-        "--tau",
-        "2,3",
-        "--hit-rate",
-        "0.5",
-        "--output",
-        str(out),
-        "--threads",
-        "1",
-    ]
-    assert main(args) == 0
-    printed = capsys.readouterr().out
-    assert "| tau | sync speed-up | async h=0.50 |" in printed and "| 3.00 |" in printed
-    assert json.loads(out.read_text())["block_size"] == 4
-    assert main(["cost-model", "--drafter", str(folders / "drafter"), "--hit-rate", "2"]) == 2
 
 
 def test_suite_table_aligns_optional_columns():

@@ -1,44 +1,59 @@
-"""D3D trainer: objective against a direct computation, attention mask, logging, trainable parameters, resume,
-adapter save/load."""
+"""D3D training (d3d_hf.training) on a tiny random Llama target: objective against a direct computation, attention
+mask, logging, trainable parameters, resume, adapter save/load, several processes; the autoregressive-only objective
+of the baseline assistant (examples/train_ar_assistant.sh trains and exports one); edges (sequences shorter than a
+block, blocks with nothing or everything masked, batches with nothing to score) and runs killed while writing a
+checkpoint (resume picks the last complete one, also through `d3d-hf train`)."""
+
+import shlex
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from _tiny import random_prompt, tiny_target
+from _tiny import crash_safetensors_writer, random_prompt, tiny_tokenizer
 from d3d_hf.modeling.modeling_d3d import draft_attention_mask
 from datasets import Dataset
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from d3d_hf import D3DForDiffusionDrafting
+from d3d_hf.cli import main
 from d3d_hf.training import (
     D3DDataCollator,
     D3DTrainer,
     D3DTrainingConfig,
     block_diffusion_attention_mask,
     d3d_losses,
+    is_complete_checkpoint,
+    last_complete_checkpoint,
 )
+from d3d_hf.training import main as train_main
 
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target("llama", seed=4)
+def _answered_rows(target, count, same_length=False):
+    """`count` rows of a random prompt (prompt i: seed i, 4 + i % 3 tokens) and the target's greedy continuation of it
+    (10 + i tokens, eos ignored); with `same_length`, every prompt has 4 tokens and every continuation 10."""
+    rows = []
+    for i in range(count):
+        prompt = random_prompt(4 if same_length else 4 + i % 3, seed=i)
+        new_tokens = 10 if same_length else 10 + i
+        out = target.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        rows.append({"prompt_ids": prompt[0].tolist(), "response_ids": out[0, prompt.shape[1] :].tolist()})
+    return rows
 
 
 @pytest.fixture(scope="module")
 def dataset(target):
-    rows = []
-    for i in range(12):
-        prompt = random_prompt(4 + i % 3, seed=i)
-        out = target.generate(prompt, max_new_tokens=10 + i, do_sample=False, eos_token_id=None, pad_token_id=0)
-        rows.append({"prompt_ids": prompt[0].tolist(), "response_ids": out[0, prompt.shape[1]:].tolist()})
+    rows = _answered_rows(target, 12)
     rows.append({"prompt_ids": [5, 6, 7], "response_ids": []})  # empty response: no block, no AR token
     return Dataset.from_list(rows)
 
 
-def _drafter(target, **kwargs):
+def _drafter(target, block_size=BLOCK, **kwargs):
     torch.manual_seed(0)
-    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=BLOCK, **kwargs)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=block_size, **kwargs)
     with torch.no_grad():
         drafter.model.mask_embedding.weight.normal_()
     return drafter
@@ -120,12 +135,16 @@ def test_degenerate_batches_give_finite_zero_losses(target):
     assert int(losses["block_tokens"]) == 0
 
 
-def _config(tmp_path, **kwargs):
-    defaults = dict(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, learning_rate=5e-3,
-                    logging_steps=1, save_strategy="no", use_cpu=True, seed=7, anchors_per_sequence=3,
-                    block_lora_rank=4, disable_tqdm=True)
+def _training_config(tmp_path, **kwargs):
+    """A few CPU steps: what the presets below share; `kwargs` override it."""
+    defaults = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, learning_rate=5e-3, logging_steps=1,
+                    save_strategy="no", use_cpu=True, seed=7, anchors_per_sequence=3, disable_tqdm=True)
     defaults.update(kwargs)
     return D3DTrainingConfig(**defaults)
+
+
+def _config(tmp_path, **kwargs):
+    return _training_config(tmp_path, **{"max_steps": 4, "block_lora_rank": 4, **kwargs})
 
 
 @pytest.mark.parametrize("mode", ["block_adapter", "full", "peft"])
@@ -205,7 +224,6 @@ def test_peft_adapter_round_trip(target, dataset, tmp_path):
                            _drafter(target).model.mask_token_embedding())
 
 
-
 def test_two_processes_match_one_process_with_doubled_accumulation(tmp_path):
     """2 CPU processes (torch.distributed, gloo; what `accelerate launch` starts) give the loss curve and weights of
     1 process with 2 gradient-accumulation steps."""
@@ -259,3 +277,290 @@ def test_ar_loss_has_no_gradient_on_block_adapters(target, dataset):
     assert all(g is None or torch.count_nonzero(g) == 0 for g in ar_grads)
     block_grads = torch.autograd.grad(losses["block_loss"], trainable, allow_unused=True)
     assert sum(int(torch.count_nonzero(g)) for g in block_grads if g is not None) > 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the autoregressive-only objective: the baseline assistant (ar-assist) and its recipe
+
+
+RECIPE = Path(__file__).resolve().parents[1] / "examples" / "train_ar_assistant.sh"
+
+
+@pytest.fixture(scope="module")
+def ar_dataset(target):
+    return Dataset.from_list(_answered_rows(target, 8))
+
+
+def _ar_config(tmp_path, **kwargs):
+    """The autoregressive-only objective: the block loss off, every weight trained."""
+    defaults = {"max_steps": 3, "train_mode": "full", "block_loss_weight": 0.0, "ar_loss_weight": 1.0}
+    return _training_config(tmp_path, **{**defaults, **kwargs})
+
+
+def test_config_allows_the_ar_loss_alone_and_rejects_what_cannot_train(tmp_path):
+    assert _ar_config(tmp_path).block_loss_weight == 0.0
+    with pytest.raises(ValueError, match="block adapters do not affect"):
+        _ar_config(tmp_path, train_mode="block_adapter")
+    with pytest.raises(ValueError, match="both 0"):
+        _ar_config(tmp_path, ar_loss_weight=0.0)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        _ar_config(tmp_path, block_loss_weight=-1.0)
+
+
+def test_losses_without_blocks_skip_the_noisy_pass(target, ar_dataset):
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    batch = D3DDataCollator(block_size=4, anchors_per_sequence=3)(list(ar_dataset))
+    full = d3d_losses(drafter, batch, block_size=4, gamma=7.0)
+    ar_only = d3d_losses(drafter, batch, block_size=4, gamma=7.0, compute_block=False)
+    torch.testing.assert_close(ar_only["ar_loss"], full["ar_loss"])
+    assert float(ar_only["block_loss"]) == 0.0 and int(ar_only["block_tokens"]) == 0
+    assert int(full["block_tokens"]) > 0
+
+
+@pytest.mark.parametrize("mode", ["full", "peft"])
+def test_ar_only_training_changes_every_trainable_parameter(target, ar_dataset, tmp_path, mode):
+    torch.manual_seed(0)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, num_layers=2, block_size=4)
+    trainer = D3DTrainer(drafter, _ar_config(tmp_path, train_mode=mode), train_dataset=ar_dataset)
+    trainable = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and not any("mask_embedding" in n for n in trainable)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert logged and all(h["block_loss"] == 0.0 and h["ar_loss"] > 0 for h in logged)
+    after = dict(trainer.model.named_parameters())
+    assert not [n for n, p in trainable.items() if torch.equal(p, after[n].detach())]
+
+
+def _recipe_command(name: str) -> list[str]:
+    """The `d3d-hf NAME ...` command of the recipe, continuation lines joined, split like the shell would."""
+    text = RECIPE.read_text().replace("\\\n", " ")
+    line = next(ln for ln in text.splitlines() if ln.startswith(f"d3d-hf {name} "))
+    return shlex.split(line)[2:]
+
+
+def _override(argv: list[str], **values: str) -> list[str]:
+    out = list(argv)
+    for flag, value in values.items():
+        out[out.index(f"--{flag}") + 1] = value
+    return out
+
+
+def test_recipe_trains_and_exports_an_assistant_on_a_tiny_target(target, ar_dataset, tmp_path):
+    """examples/train_ar_assistant.sh's own train and export flags, with a tiny target, its data and 2 steps."""
+    target.save_pretrained(tmp_path / "target")
+    tiny_tokenizer().save_pretrained(tmp_path / "target")
+    ar_dataset.save_to_disk(str(tmp_path / "data" / "dataset"))
+    train = _recipe_command("train")
+    assert "--block_loss_weight" in train and train[train.index("--block_loss_weight") + 1] == "0"
+    train = _override(
+        train,
+        target=str(tmp_path / "target"),
+        data=str(tmp_path / "data"),
+        output_dir=str(tmp_path / "run"),
+        max_steps="2",
+        num_layers="2",
+        threads="1",
+    )
+    assert train_main(train + ["--disable_tqdm", "true", "--report_to", "none"]) == 0
+    export = _override(
+        _recipe_command("export-causal-lm"), drafter=str(tmp_path / "run"), output=str(tmp_path / "assistant")
+    )
+    assert main(["export-causal-lm", *export]) == 0
+    assistant = AutoModelForCausalLM.from_pretrained(tmp_path / "assistant")
+    assert isinstance(assistant, LlamaForCausalLM) and assistant.config.num_hidden_layers == 2
+    assert (tmp_path / "assistant" / "tokenizer.json").is_file()
+    ids = random_prompt(7, seed=6)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert torch.equal(target.generate(ids, assistant_model=assistant, **kwargs), target.generate(ids, **kwargs))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# edges: sequences shorter than a block, blocks with nothing or everything masked, nothing to score
+
+
+EDGE_BLOCK = 6
+
+
+def _edge_drafter(target, **kwargs):
+    return _drafter(target, block_size=EDGE_BLOCK, **kwargs)
+
+
+def _assert_finite_with_finite_grads(drafter, batch):
+    drafter.train()
+    drafter.zero_grad()
+    losses = d3d_losses(drafter, batch, block_size=EDGE_BLOCK, gamma=7.0)
+    loss = losses["block_loss"] + 0.5 * losses["ar_loss"]
+    assert torch.isfinite(losses["block_loss"]) and torch.isfinite(losses["ar_loss"])
+    loss.backward()
+    grads = [p.grad for p in drafter.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    return losses
+
+
+@pytest.mark.parametrize("mask_ratio", [(1.0, 1.0), (0.4, 0.6)])
+def test_sequences_shorter_than_a_block(target, mask_ratio):
+    drafter = _edge_drafter(target)
+    collator = D3DDataCollator(EDGE_BLOCK, anchors_per_sequence=3, mask_ratio=mask_ratio, max_length=64)
+    rows = [
+        {"prompt_ids": [3], "response_ids": [4]},
+        {"prompt_ids": [3, 5], "response_ids": [6, 7]},
+        {"prompt_ids": [], "response_ids": [8, 9, 10]},
+        {"prompt_ids": [3, 4, 5], "response_ids": []},
+        {"prompt_ids": [], "response_ids": []},
+    ]
+    batch = collator(rows)
+    losses = _assert_finite_with_finite_grads(drafter, batch)
+    assert int(losses["block_tokens"]) > 0 and int(losses["ar_tokens"]) > 0
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["nothing_masked", "everything_masked"])
+def test_blocks_with_nothing_or_everything_masked(target, masked):
+    drafter = _edge_drafter(target)
+    collator = D3DDataCollator(EDGE_BLOCK, anchors_per_sequence=3, max_length=64)
+    rows = [
+        {"prompt_ids": random_prompt(4, seed=i)[0].tolist(), "response_ids": list(range(10, 13 + 4 * i))}
+        for i in range(3)
+    ]
+    batch = collator(rows)
+    batch["block_masked"] = torch.full_like(batch["block_masked"], masked)
+    losses = _assert_finite_with_finite_grads(drafter, batch)
+    # scored: block position j of anchor a predicts token a+j+1, when it exists and the block does not show it
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    expected = sum(
+        a + j + 1 < lengths[b] and (masked or j == EDGE_BLOCK - 1)
+        for b, row in enumerate(batch["anchors"].tolist())
+        for a in row
+        if a >= 0
+        for j in range(1, EDGE_BLOCK)
+    )
+    assert expected > 0 and int(losses["block_tokens"]) == expected
+
+
+def _edge_config(tmp_path, **kwargs):
+    defaults = {"max_steps": 2, "per_device_train_batch_size": 2, "anchors_per_sequence": 2, "block_lora_rank": 4,
+                "report_to": "none"}
+    return _training_config(tmp_path, **{**defaults, **kwargs})
+
+
+@pytest.mark.parametrize("mode", ["block_adapter", "full"])
+def test_training_on_batches_with_nothing_to_score(target, tmp_path, mode):
+    """Every row too short for a block or a next-token target: training steps run (zero loss) instead of failing in
+    `backward`."""
+    from datasets import Dataset
+
+    rows = Dataset.from_list([{"prompt_ids": [3 + i], "response_ids": []} for i in range(4)])
+    drafter = _edge_drafter(target)
+    batch = D3DDataCollator(EDGE_BLOCK, anchors_per_sequence=2)([rows[0], rows[1]])
+    losses = d3d_losses(drafter, batch, block_size=EDGE_BLOCK, gamma=7.0)
+    assert float(losses["block_loss"].detach()) == float(losses["ar_loss"].detach()) == 0.0
+    assert losses["block_loss"].requires_grad, "a zero loss must stay on the graph so that backward works"
+    config = _edge_config(tmp_path, train_mode=mode, logging_nan_inf_filter=False)
+    trainer = D3DTrainer(drafter, config, train_dataset=rows)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert logged and all(h["loss"] == 0.0 for h in logged)
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# runs killed while writing a checkpoint
+
+
+def _edge_dataset(target):
+    return Dataset.from_list(_answered_rows(target, 6, same_length=True))
+
+
+@pytest.mark.parametrize("crash_in", ["weights", "optimizer", "trainer_state"])
+def test_resume_never_picks_a_half_written_checkpoint(target, tmp_path, monkeypatch, crash_in):
+    """A run killed while writing checkpoint-4 (in the weights, the optimizer state, or the trainer state written
+    last): `resume_from_checkpoint=True` resumes from checkpoint-2 and ends exactly where an uninterrupted run ends."""
+    import transformers.trainer
+
+    dataset = _edge_dataset(target)
+    full = D3DTrainer(_edge_drafter(target), _edge_config(tmp_path / "full", max_steps=4), train_dataset=dataset)
+    full.train()
+
+    run = tmp_path / "run"
+    saves = _edge_config(run, max_steps=4, save_strategy="steps", save_steps=2)
+    crashed = D3DTrainer(_edge_drafter(target), saves, train_dataset=dataset)
+    with monkeypatch.context() as patch:
+        if crash_in == "weights":
+            real_save = D3DForDiffusionDrafting.save_pretrained
+
+            def save(self, folder, *args, **kwargs):
+                if str(folder).endswith("checkpoint-4"):
+                    crash_safetensors_writer(patch)
+                return real_save(self, folder, *args, **kwargs)
+
+            patch.setattr(D3DForDiffusionDrafting, "save_pretrained", save)
+        elif crash_in == "optimizer":
+            real_torch_save = torch.save
+
+            def torch_save(obj, f, *args, **kwargs):
+                if "checkpoint-4" in str(f) and str(f).endswith("optimizer.pt"):
+                    raise KeyboardInterrupt("killed while writing the optimizer state")
+                return real_torch_save(obj, f, *args, **kwargs)
+
+            patch.setattr(torch, "save", torch_save)
+        else:
+            real_state_save = transformers.trainer.TrainerState.save_to_json
+
+            def state_save(self, path):
+                if "checkpoint-4" in str(path):
+                    with open(path, "w") as f:
+                        f.write('{"global_step": 4, "log_hi')
+                    raise KeyboardInterrupt("killed while writing the trainer state")
+                return real_state_save(self, path)
+
+            patch.setattr(transformers.trainer.TrainerState, "save_to_json", state_save)
+        with pytest.raises(KeyboardInterrupt):
+            crashed.train()
+    assert (run / "checkpoint-4").is_dir() and not is_complete_checkpoint(run / "checkpoint-4")
+    assert last_complete_checkpoint(run) == str(run / "checkpoint-2")
+
+    resumed = D3DTrainer(_edge_drafter(target), _edge_config(run, max_steps=4), train_dataset=dataset)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 4
+    want = dict(full.model.named_parameters())
+    for name, param in resumed.model.named_parameters():
+        torch.testing.assert_close(param, want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+    again = D3DTrainer(_edge_drafter(target), _edge_config(run, max_steps=4), train_dataset=dataset)
+    shutil.rmtree(run / "checkpoint-4")
+    (run / "checkpoint-4").mkdir()
+    with pytest.raises(ValueError, match="checkpoint-4 is not a complete checkpoint.*checkpoint-2"):
+        again.train(resume_from_checkpoint=str(run / "checkpoint-4"))
+
+
+def test_train_command_resumes_from_the_last_complete_checkpoint(target, tmp_path, monkeypatch):
+    """`d3d-hf train --resume_from_checkpoint auto` after a run killed while writing checkpoint-4 resumes from
+    checkpoint-2 and saves the drafter an uninterrupted run saves."""
+    import d3d_hf.targets
+    from d3d_hf.training import D3DTrainScriptArguments, train_drafter
+
+    _edge_dataset(target).save_to_disk(str(tmp_path / "data"))
+    monkeypatch.setattr(d3d_hf.targets, "load_target", lambda name, dtype="float32": (target, None))
+    script = D3DTrainScriptArguments(
+        target="tiny", data=str(tmp_path / "data"), tau_holdout=1, init_block_size=EDGE_BLOCK
+    )
+
+    def run(output, **kwargs):
+        config = _edge_config(output, max_steps=4, save_strategy="steps", save_steps=2, **kwargs)
+        return train_drafter(script, config)
+
+    want = run(tmp_path / "full").drafter_state_dict()
+    real_torch_save = torch.save
+
+    def torch_save(obj, f, *args, **kwargs):
+        if "checkpoint-4" in str(f) and str(f).endswith("optimizer.pt"):
+            raise KeyboardInterrupt("killed while writing the optimizer state")
+        return real_torch_save(obj, f, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", torch_save)
+        with pytest.raises(KeyboardInterrupt):
+            run(tmp_path / "run")
+    got = run(tmp_path / "run", resume_from_checkpoint="auto").drafter_state_dict()
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
