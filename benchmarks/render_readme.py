@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from d3d_hf.bench import format_table
+from d3d_hf.bench import format_round_plans, format_table
 from d3d_hf.report import PLOTS, format_suite_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,6 +95,46 @@ def render_suite() -> str:
     plots = [f"{SUITE}/report/{name}" for name in PLOTS if (ROOT / SUITE / "report" / name).exists()]
     parts += [f"![{Path(p).stem}]({p})" for p in plots]
     return "\n".join(parts).rstrip() + "\n"
+
+
+ENGINE = "benchmarks/results/engine"
+
+
+def render_engine() -> list[str]:
+    """The cost-aware engine's run (`bash benchmarks/run_engine.sh`): one table per dtype over the prompt sets, with
+    the machine's CPU and extensions, and each set's rounds by candidate source and chosen `k`."""
+    files = sorted((ROOT / ENGINE).glob("*/results.json"))
+    if not files:
+        return []
+    results = sorted((json.loads(f.read_text()) for f in files), key=_order)
+    parts = []
+    for dtype in dict.fromkeys(r["settings"]["dtype"] for r in results):
+        group = [r for r in results if r["settings"]["dtype"] == dtype]
+        st = group[0]["settings"]
+        cpu = st.get("cpu") or {}
+        flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if cpu.get(f)]
+        sets = ", ".join(f"{r['settings']['num_prompts']} {r['settings']['prompts']}" for r in group)
+        parts.append(
+            f"**Cost-aware engine, {dtype}**: **{st['target']}** with the shipped drafter `{st['drafter']}` "
+            f"({st['drafter_layers']} layers, block size {st['block_size']}; `d3d` and `d3d-async` in the default "
+            f"adaptive mode), prompt lookup with "
+            f"{group[0].get('method_settings', {}).get('pld', {}).get('prompt_lookup_num_tokens')} tokens; {sets} "
+            f"prompts, {st['max_new_tokens']} new tokens, {st['torch_threads']} threads on {st['cpu_count']} CPU "
+            f"cores ({cpu.get('model', st['machine'])}; {' '.join(flags) or 'no AVX2'}), torch {st['torch']}, "
+            f"transformers {st['transformers']}. Recorded in [`{ENGINE}/`]({ENGINE}/) by "
+            "`bash benchmarks/run_engine.sh`."
+        )
+        parts += ["", format_suite_table(group), ""]
+        for result in group:
+            plans = format_round_plans(result["summary"])
+            if plans:
+                parts += [
+                    f"Rounds on {result['settings']['prompts']} ({dtype}) by candidate source and `k`:",
+                    "",
+                    plans,
+                    "",
+                ]
+    return parts
 
 
 def _render_result(rel: str, label: str, command: str | None = None) -> list[str]:
@@ -182,7 +222,7 @@ def render_worker_threads() -> list[str]:
 
 
 def render() -> str:
-    parts = []
+    parts = render_engine()
     for rel, label, command in OPTIONAL[:2]:
         if (ROOT / rel).exists():
             parts += _render_result(rel, label, command)

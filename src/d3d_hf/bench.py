@@ -299,8 +299,8 @@ register_method(
 register_method(
     BenchMethod(
         "d3d",
-        "synchronous D3D drafting",
-        lambda r: {"assistant_model": r["drafter"]},
+        "D3D drafting (the cost-aware engine; `num_drafts` fixes the drafts per round)",
+        lambda r: _d3d_kwargs(r),
         read_stats=lambda r, recorder: d3d_round_stats(r["drafter"].last_generation_stats),
         requires=("drafter",),
         settings=_d3d_settings,
@@ -309,10 +309,28 @@ register_method(
 )
 
 
+def _policy_options(resources: Mapping[str, Any]) -> dict[str, Any]:
+    """`d3d_num_drafts` from the resources (`--num-drafts`), when given: "adaptive", "full" or a number."""
+    value = resources.get("num_drafts")
+    if value is None:
+        return {}
+    return {"d3d_num_drafts": int(value) if str(value).isdigit() else str(value)}
+
+
+def _d3d_kwargs(resources: Mapping[str, Any]) -> dict[str, Any]:
+    from transformers import GenerationConfig
+
+    options = _policy_options(resources)
+    if not options:
+        return {"assistant_model": resources["drafter"]}
+    return {"assistant_model": resources["drafter"], "generation_config": GenerationConfig(**options)}
+
+
 def _d3d_async_options(resources: Mapping[str, Any]) -> dict[str, Any]:
     block_size = resources["drafter"].config.block_size
     hypotheses = int(resources.get("num_hypotheses") or min(4, block_size))
     return {
+        **_policy_options(resources),
         "d3d_async": True,
         "d3d_num_hypotheses": hypotheses,
         "d3d_reuse_on_miss": bool(resources.get("reuse_on_miss")),

@@ -12,6 +12,13 @@ from pathlib import Path
 import torch
 
 
+def _num_drafts(value: str) -> str:
+    """`--num-drafts`: 'adaptive', 'full' or a whole number >= 0 (checked against the block size when decoding)."""
+    if value in ("adaptive", "full") or value.isdigit():
+        return value
+    raise argparse.ArgumentTypeError(f"must be 'adaptive', 'full' or a whole number >= 0, got {value!r}")
+
+
 def _positive_int(value: str) -> int:
     """argparse type: an integer >= 1."""
     try:
@@ -106,6 +113,13 @@ def _build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=None,
         help="d3d-async on CPU: torch threads of the packed-pass worker (default half of --threads, at least 1)",
+    )
+    p.add_argument(
+        "--num-drafts",
+        type=_num_drafts,
+        default=None,
+        help="d3d, d3d-async: drafts per round: 'adaptive' (the default: the cost-aware engine), 'full' (block size - 1"
+        " every round, the engine before the policy) or a number",
     )
     p.add_argument("--prompt-lookup-num-tokens", type=_positive_int, default=10, help="pld: tokens per draft")
     p.add_argument("--max-matching-ngram-size", type=_positive_int, default=2, help="pld: longest n-gram matched")
@@ -361,6 +375,7 @@ def _bench(args) -> int:
             "num_hypotheses": args.num_hypotheses,
             "reuse_on_miss": args.reuse_on_miss,
             "worker_threads": args.worker_threads,
+            "num_drafts": args.num_drafts,
         },
     )
     result["settings"] = {
