@@ -341,9 +341,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         if self.asynchronous:
             return self._asynchronous_candidates(input_ids, limit)
         if limit <= 0:
-            self.stats.record_round_plan("target", 0)
-            self.round_clock.end_draft()
-            return input_ids, None
+            return self._finish_round(input_ids, "target", [], [])
         lookup = None
         if self.prompt_lookup:
             lookup = lookup_candidates(input_ids, num_tokens=limit, eos_token_id=self.eos_token_ids or None)
@@ -366,7 +364,11 @@ class D3DCandidateGenerator(CandidateGenerator):
                 keep = self.policy.choose(confidences, draft_seconds, decision)
                 drafts, scores = drafts[:keep], scores[:keep]
         self._round = (decision, len(drafts), confidences, draft_seconds)
-        self.stats.record_round_plan(decision.source, len(drafts))
+        return self._finish_round(input_ids, decision.source, drafts, scores)
+
+    def _finish_round(self, input_ids: torch.LongTensor, source: str, drafts: list, scores: list):
+        """Records the round's plan, ends its draft span and returns what `get_candidates` returns."""
+        self.stats.record_round_plan(source, len(drafts))
         self.round_clock.end_draft()
         if not drafts:
             return input_ids, None
@@ -379,9 +381,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         cur_len = input_ids.shape[1]
         block_logits = self._use_packed_block(input_ids) if self._worker.pending else None
         if limit <= 0:
-            self.stats.record_round_plan("target", 0)
-            self.round_clock.end_draft()
-            return input_ids, None
+            return self._finish_round(input_ids, "target", [], [])
         if block_logits is None:
             committed = input_ids[:, self.cache.get_seq_length() :].to(self._draft_device())
             block_logits = self.drafter.draft_logits(committed, self.cache)[0]
@@ -389,13 +389,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         drafts, scores = self._choose_drafts(input_ids, block_logits[:limit])
         if drafts and cur_len + 1 < self.max_length:
             self._launch_packed_pass(input_ids, drafts, scores, block_logits)
-        self.stats.record_round_plan("drafter", len(drafts))
-        self.round_clock.end_draft()
-        if not drafts:
-            return input_ids, None
-        self.stats.drafted_tokens += len(drafts)
-        candidate_ids = torch.cat([input_ids, torch.cat(drafts, dim=1).to(input_ids.device)], dim=1)
-        return candidate_ids, torch.stack(scores, dim=1)
+        return self._finish_round(input_ids, "drafter", drafts, scores)
 
     @staticmethod
     def _confidences(drafts: list[torch.LongTensor], scores: list[torch.FloatTensor]) -> list[float]:

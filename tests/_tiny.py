@@ -98,3 +98,16 @@ def crash_safetensors_writer(monkeypatch):
         raise KeyboardInterrupt("killed while writing the weights")
 
     monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", half_then_crash)
+
+
+def chi_square_p_value(counts: torch.Tensor, exact: torch.Tensor, n: int) -> float:
+    """p-value of a chi-square goodness-of-fit test of `counts` (n samples over the outcomes) against the exact
+    probabilities `exact`; outcomes expected fewer than 5 times are pooled into one cell (dropped if still < 5)."""
+    expected = exact * n
+    keep = expected >= 5
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1]
+    chi2 = ((obs - exp) ** 2 / exp).sum()
+    return float(1 - torch.special.gammainc(torch.tensor((len(obs) - 1) / 2.0), chi2 / 2.0))
