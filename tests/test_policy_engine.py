@@ -196,3 +196,24 @@ def test_fixed_num_drafts_and_lookup_option():
         assert max(stats.round_candidates) == k and stats.policy == str(k) and "lookup" not in stats.round_sources
     with pytest.raises(ValueError, match="d3d_prompt_lookup"):
         _greedy(target, ids, drafter, d3d_prompt_lookup="yes")
+
+
+def test_a_disturbed_calibration_is_measured_again_and_a_stored_one_replaced(monkeypatch, tmp_path):
+    """A measurement (or a stored state) whose multi-row points cost 20 one-row steps (another job loaded the CPU)
+    is redone, and only a plausible one is stored."""
+    monkeypatch.setenv("D3D_HF_CACHE", str(tmp_path))
+    target = tiny_target("llama")
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    bad = (CostCurve({1: 0.01, 2: 0.2, 16: 0.3}), CostCurve({1: 0.01, 16: 0.3}))
+    good = (CostCurve({1: 0.01, 2: 0.012, 16: 0.02}), CostCurve({1: 0.01, 16: 0.02}))
+    results = [bad, good]
+    monkeypatch.setattr(calibration_d3d, "measure_cost_curves", lambda *a, **k: results.pop(0))
+    policy, key = calibration_d3d.policy_for(target, drafter)
+    assert not results and policy.verify_curve(2) == pytest.approx(0.012)
+    store = calibration_d3d.CalibrationStore()
+    poisoned = DraftPolicy(*bad, max_drafts=3)
+    poisoned.save_to(store, key)
+    calibration_d3d._POLICIES.clear()
+    results[:] = [good]
+    policy, _ = calibration_d3d.policy_for(target, drafter)
+    assert not results and policy.verify_curve(2) == pytest.approx(0.012)
