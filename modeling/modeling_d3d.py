@@ -105,7 +105,8 @@ class D3DLinear(nn.Linear):
     Design choice (d3d-hf docs/DESIGN.md section 8, lesson 3): the committed context and the anchor go through
     the unmodified weights, so an adapted drafter keeps the source model's exact first-token prediction and a KV
     cache identical to the source model's, while the mask positions learn to denoise the block. `lora_B` starts
-    at zero, so a fresh adapter leaves the drafter unchanged.
+    at zero, so a fresh adapter leaves the drafter unchanged. Outside autograd the decoder layers run the adapters
+    of projections that share an input together (`add_block_adapters`); this `forward` is the training path.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, rank: int = 0, alpha: float = 16.0):
@@ -141,6 +142,106 @@ class D3DLinear(nn.Linear):
             delta = nn.functional.linear(nn.functional.linear(gated_input, lora_a), lora_b)
             out = torch.add(out, delta, alpha=self.lora_scaling)
         return out
+
+
+@dataclass
+class BlockRows:
+    """The rows of one forward where the block adapters apply (`D3DModel.forward` builds it once per forward).
+
+    Attributes:
+        gate (`torch.Tensor` of shape `(batch_size, seq_len, 1)`): 1 at block rows, 0 elsewhere, in the hidden dtype.
+        start (`int` or `None`): when the block rows are exactly rows `start..seq_len-1` of every sequence (every
+            synchronous draft pass: committed tokens first, then the masks), their first row; `None` otherwise.
+            Then the adapters run on those rows only instead of on gated copies of all rows (same values, less work).
+    """
+
+    gate: torch.Tensor
+    start: int | None = None
+
+    @classmethod
+    def of(cls, block_positions: torch.BoolTensor, dtype: torch.dtype) -> BlockRows:
+        """Builds the rows from a `(batch_size, seq_len)` boolean mask. The suffix test reads the mask on the host,
+        so it is made only for CPU tensors outside autograd (elsewhere `start` stays `None`: no device sync)."""
+        gate = block_positions[..., None].to(dtype)
+        start = None
+        if block_positions.device.type == "cpu" and not torch.is_grad_enabled():
+            seq_len = block_positions.shape[1]
+            counts = block_positions.sum(-1)
+            count = int(counts[0])
+            if bool((counts == count).all()) and bool(block_positions[:, seq_len - count :].all()):
+                start = seq_len - count
+        return cls(gate, start)
+
+
+def add_block_adapters(
+    projections: list[D3DLinear], x: torch.Tensor, outputs: list[torch.Tensor], rows: BlockRows, cache: dict
+) -> None:
+    """Adds the block adapters of `projections`, which all read the same input `x`, to their base outputs in place.
+
+    The fused inference path of `D3DLinear`'s adapter (the same values up to float rounding; checked in
+    tests/test_modeling.py against the per-projection path): one matmul with the stacked `lora_A` of all the
+    projections (q/k/v, or gate/up) instead of one each, then one `baddbmm_` per projection that multiplies by `lora_B`
+    and adds into the output (no separate add), on the block rows only when they are a suffix (`rows.start`).
+    Only for use outside autograd (in-place updates); `cache` holds the stacked weights between calls, keyed by the
+    parameters' storage and version counters, so an optimiser step or a `.to()` rebuilds them.
+
+    Args:
+        projections (`list[D3DLinear]`): the projections (those with `rank == 0` are skipped; the others share one
+            rank, `config.block_lora_rank`).
+        x (`torch.Tensor` of shape `(batch_size, seq_len, in_features)`): their common input.
+        outputs (`list[torch.Tensor]`): their base outputs `x W^T + b`, `(batch_size, seq_len, out_features_i)`.
+        rows (`BlockRows`): where the adapters apply.
+        cache (`dict`): the caller's store for the stacked weights (one per group of projections).
+    """
+    pairs = [(proj, out) for proj, out in zip(projections, outputs, strict=True) if proj.rank > 0]
+    if not pairs:
+        return
+    projections, outputs = [p for p, _ in pairs], [o for _, o in pairs]
+    if rows.start is not None:
+        if rows.start >= x.shape[1]:
+            return  # no block rows (a pass with no masks)
+        x = x[:, rows.start :]
+    else:
+        x = x * rows.gate
+    params = [p for proj in projections for p in (proj.lora_A, proj.lora_B)]
+    key = tuple((p.data_ptr(), p._version) for p in params) + (x.dtype, x.device)
+    if cache.get("key") != key:
+        cache["key"] = key
+        cache["At"] = torch.cat([proj.lora_A for proj in projections]).t().to(x.dtype)
+        cache["Bt"] = [proj.lora_B.t().to(x.dtype) for proj in projections]
+    rank = projections[0].rank
+    if x.shape[0] == 1:  # 2-D matmuls: the common case, and cheaper than batched ones for a few rows
+        down = torch.mm(x[0], cache["At"])
+        for i, (proj, out) in enumerate(pairs):
+            rows_out = out[0] if rows.start is None else out[0, rows.start :]
+            rows_out.addmm_(down[:, i * rank : (i + 1) * rank], cache["Bt"][i], alpha=proj.lora_scaling)
+        return
+    down = torch.matmul(x, cache["At"])
+    for i, (proj, out) in enumerate(pairs):
+        rows_out = out if rows.start is None else out[:, rows.start :]
+        b_t = cache["Bt"][i].expand(x.shape[0], -1, -1)
+        rows_out.baddbmm_(down[..., i * rank : (i + 1) * rank], b_t, alpha=proj.lora_scaling)
+
+
+def _fused_adapters_apply(projections: list[nn.Module], rows: BlockRows | None) -> bool:
+    """Whether `add_block_adapters` runs these projections' adapters; otherwise the per-projection path does, which
+    serves training (autograd), wrapped projections (e.g. PEFT's LoRA layers, which pass the gate on to the
+    `D3DLinear` inside) and forwards without block rows."""
+    return (
+        rows is not None
+        and not torch.is_grad_enabled()
+        and all(type(p) is D3DLinear for p in projections)
+        and any(p.rank > 0 for p in projections)
+    )
+
+
+def _single_projection(proj: nn.Module, x: torch.Tensor, rows: BlockRows | None, cache: dict) -> torch.Tensor:
+    """`proj(x)` with its block adapter on `rows` (the fused path when `_fused_adapter_group` allows it)."""
+    if not _fused_adapters_apply([proj], rows):
+        return proj(x, rows.gate if rows is not None else None)
+    out = proj(x)
+    add_block_adapters([proj], x, [out], rows, cache)
+    return out
 
 
 def _projection(config: D3DConfig, name: str, in_features: int, out_features: int, bias: bool) -> D3DLinear:
@@ -226,6 +327,7 @@ class D3DAttention(nn.Module):
         if config.use_qk_norm:
             self.q_norm = D3DRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = D3DRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self._adapter_cache, self._out_adapter_cache = {}, {}  # stacked adapter weights (`add_block_adapters`)
 
     def forward(
         self,
@@ -233,7 +335,7 @@ class D3DAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor,
         past_key_values: D3DCache | None = None,
-        block_gate: torch.Tensor | None = None,
+        block_rows: BlockRows | None = None,
         attention_interface: Callable = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`attention_interface` is the attention function `D3DModel.forward` chose for this forward (transformers'
@@ -241,13 +343,19 @@ class D3DAttention(nn.Module):
         weights or None)`); `eager_attention_forward` when `None`."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        gated = hidden_states * block_gate if block_gate is not None and self.q_proj.rank > 0 else None
-        query_states = self.q_proj(hidden_states, block_gate, gated).view(hidden_shape)
-        key_states = self.k_proj(hidden_states, block_gate, gated).view(hidden_shape)
+        projections = [self.q_proj, self.k_proj, self.v_proj]
+        if _fused_adapters_apply(projections, block_rows):
+            outputs = [proj(hidden_states) for proj in projections]
+            add_block_adapters(projections, hidden_states, outputs, block_rows, self._adapter_cache)
+        else:
+            gate = block_rows.gate if block_rows is not None else None
+            gated = hidden_states * gate if gate is not None and self.q_proj.rank > 0 else None
+            outputs = [proj(hidden_states, gate, gated) for proj in projections]
+        query_states, key_states, value_states = (o.view(hidden_shape) for o in outputs)
         if self.config.use_qk_norm:
             query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
         query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
-        value_states = self.v_proj(hidden_states, block_gate, gated).view(hidden_shape).transpose(1, 2)
+        value_states = value_states.transpose(1, 2)
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
@@ -266,7 +374,7 @@ class D3DAttention(nn.Module):
             is_causal=False,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(attn_output, block_gate), attn_weights
+        return _single_projection(self.o_proj, attn_output, block_rows, self._out_adapter_cache), attn_weights
 
 
 class D3DMLP(nn.Module):
@@ -279,11 +387,19 @@ class D3DMLP(nn.Module):
         self.up_proj = _projection(config, "up_proj", hidden, inner, bias)
         self.down_proj = _projection(config, "down_proj", inner, hidden, bias)
         self.act_fn = ACT2FN[config.hidden_act]
+        self._adapter_cache, self._out_adapter_cache = {}, {}  # stacked adapter weights (`add_block_adapters`)
 
-    def forward(self, x: torch.Tensor, block_gate: torch.Tensor | None = None) -> torch.Tensor:
-        gated = x * block_gate if block_gate is not None and self.gate_proj.rank > 0 else None
-        hidden = self.act_fn(self.gate_proj(x, block_gate, gated)) * self.up_proj(x, block_gate, gated)
-        return self.down_proj(hidden, block_gate)
+    def forward(self, x: torch.Tensor, block_rows: BlockRows | None = None) -> torch.Tensor:
+        projections = [self.gate_proj, self.up_proj]
+        if _fused_adapters_apply(projections, block_rows):
+            gate_out, up_out = (proj(x) for proj in projections)
+            add_block_adapters(projections, x, [gate_out, up_out], block_rows, self._adapter_cache)
+        else:
+            gate = block_rows.gate if block_rows is not None else None
+            gated = x * gate if gate is not None and self.gate_proj.rank > 0 else None
+            gate_out, up_out = (proj(x, gate, gated) for proj in projections)
+        hidden = self.act_fn(gate_out) * up_out
+        return _single_projection(self.down_proj, hidden, block_rows, self._out_adapter_cache)
 
 
 class D3DDecoderLayer(nn.Module):
@@ -302,7 +418,7 @@ class D3DDecoderLayer(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor,
         past_key_values: D3DCache | None = None,
-        block_gate: torch.Tensor | None = None,
+        block_rows: BlockRows | None = None,
         attention_interface: Callable = None,
     ) -> torch.Tensor:
         residual = hidden_states
@@ -311,11 +427,11 @@ class D3DDecoderLayer(nn.Module):
             position_embeddings,
             attention_mask,
             past_key_values,
-            block_gate,
+            block_rows,
             attention_interface,
         )
         hidden_states = residual + hidden_states
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states), block_gate)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states), block_rows)
 
 
 @dataclass
@@ -579,13 +695,13 @@ class D3DModel(D3DPreTrainedModel):
             raise ValueError("Reading a cache without extending it is not supported: pass `use_cache=True`.")
         if block_positions is None:
             block_positions = masked_positions
-        block_gate = None
+        block_rows = None
         if self.config.block_lora_rank > 0 and block_positions is not None:
-            block_gate = block_positions[..., None].to(hidden_states.dtype)
+            block_rows = BlockRows.of(block_positions, hidden_states.dtype)
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         for layer in self.layers:
             hidden_states = layer(
-                hidden_states, position_embeddings, attention_mask, cache, block_gate, attention_interface
+                hidden_states, position_embeddings, attention_mask, cache, block_rows, attention_interface
             )
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)

@@ -67,3 +67,59 @@ def test_forward_input_errors():
         drafter(ids, masked_positions=torch.zeros(1, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="4-D"):
         drafter(ids, attention_mask=torch.ones(1, 1, 4, 5, dtype=torch.bool))
+
+
+def _adapted_drafter(modules=None, seed=0):
+    torch.manual_seed(seed)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(tiny_target("qwen3"), block_size=6)
+    drafter.add_block_adapter(rank=4, alpha=8.0, modules=modules)
+    for name, param in drafter.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.2)  # a fresh adapter's B is zero: make it do something
+    return drafter.eval()
+
+
+def _forward_both_ways(drafter, ids, block_positions):
+    with torch.enable_grad():  # the per-projection path (training's)
+        ref = drafter(ids, block_positions=block_positions).logits.detach()
+    with torch.no_grad():  # the fused inference path
+        out = drafter(ids, block_positions=block_positions).logits
+    return out, ref
+
+
+@pytest.mark.parametrize("modules", [None, ["q_proj", "v_proj", "down_proj"], ["up_proj"]])
+@pytest.mark.parametrize("layout", ["suffix", "scattered", "batch"])
+def test_fused_block_adapters_equal_the_per_projection_adapters(modules, layout):
+    drafter = _adapted_drafter(modules)
+    ids = random_prompt(10)
+    block = torch.zeros(1, 10, dtype=torch.bool)
+    if layout == "suffix":  # a synchronous draft pass: committed rows, then the block
+        block[:, 4:] = True
+    else:  # a packed pass: blocks between unadapted rows
+        block[:, [2, 3, 6, 7, 8]] = True
+    if layout == "batch":
+        ids, block = torch.cat([ids, ids.flip(1)]), torch.cat([block, block.flip(1)])
+    out, ref = _forward_both_ways(drafter, ids, block)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    plain = drafter(ids).logits.detach()  # no block rows: no adapter
+    assert not torch.allclose(out, plain, atol=1e-3), "the adapters must change the block rows"
+    attn = drafter.model.layers[0].self_attn
+    assert ("key" in attn._adapter_cache) == (modules is None or "q_proj" in modules), "the fused path ran"
+
+
+def test_fused_block_adapters_follow_weight_updates():
+    drafter = _adapted_drafter()
+    ids, block = random_prompt(8), torch.zeros(1, 8, dtype=torch.bool)
+    block[:, 3:] = True
+    before, _ = _forward_both_ways(drafter, ids, block)
+    with torch.no_grad():
+        for layer in drafter.model.layers:  # in place, as an optimiser step does
+            layer.self_attn.k_proj.lora_A.mul_(3.0)
+            layer.mlp.gate_proj.lora_B.add_(0.1)
+    after, ref = _forward_both_ways(drafter, ids, block)
+    torch.testing.assert_close(after, ref, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(after, before, atol=1e-3)
+    # a draft pass without masks has no block rows: identical to the unadapted model's last-row logits
+    cache = D3DCache()
+    plain = drafter(ids).logits[:, -1].detach()
+    torch.testing.assert_close(drafter.draft_logits(ids, cache, num_masks=0)[:, -1], plain)
