@@ -20,6 +20,10 @@ import os
 
 import pytest
 
+# TRL's trainers send a usage ping when they start (huggingface_hub reads this switch when it is first imported):
+# tests make no network calls
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
 
 def _import_triton_for_the_cpu_interpreter() -> None:
     """Without CUDA, imports Triton once with `TRITON_INTERPRET=1` (then restores the variable).

@@ -30,6 +30,7 @@ from d3d_hf.training import (
 from d3d_hf.training import main as train_main
 
 BLOCK = 4
+TOKENIZER = tiny_tokenizer()  # the tiny targets' 97 ids
 
 
 def _answered_rows(target, count, same_length=False):
@@ -150,7 +151,7 @@ def _config(tmp_path, **kwargs):
 @pytest.mark.parametrize("mode", ["block_adapter", "full", "peft"])
 def test_loss_logged_and_every_trainable_parameter_changes(target, dataset, tmp_path, mode):
     drafter = _drafter(target)
-    trainer = D3DTrainer(drafter, _config(tmp_path, train_mode=mode), train_dataset=dataset)
+    trainer = D3DTrainer(drafter, _config(tmp_path, train_mode=mode), train_dataset=dataset, processing_class=TOKENIZER)
     trainable = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainable
     trainer.train()
@@ -177,12 +178,12 @@ def test_bad_config_raises(tmp_path):
 
 
 def test_resume_gives_the_same_state(target, dataset, tmp_path):
-    full = D3DTrainer(_drafter(target), _config(tmp_path / "a", max_steps=4), train_dataset=dataset)
+    full = D3DTrainer(_drafter(target), _config(tmp_path / "a", max_steps=4), train_dataset=dataset, processing_class=TOKENIZER)
     full.train()
     first = D3DTrainer(_drafter(target), _config(tmp_path / "b", max_steps=4, save_strategy="steps", save_steps=2),
-                       train_dataset=dataset)
+                       train_dataset=dataset, processing_class=TOKENIZER)
     first.train()
-    resumed = D3DTrainer(_drafter(target), _config(tmp_path / "b", max_steps=4), train_dataset=dataset)
+    resumed = D3DTrainer(_drafter(target), _config(tmp_path / "b", max_steps=4), train_dataset=dataset, processing_class=TOKENIZER)
     resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
     want = dict(full.model.named_parameters())
     for name, param in resumed.model.named_parameters():
@@ -191,7 +192,7 @@ def test_resume_gives_the_same_state(target, dataset, tmp_path):
 
 def test_block_adapter_drafter_saves_only_its_own_weights(target, dataset, tmp_path):
     drafter = _drafter(target, shares_target_weights=True)
-    D3DTrainer(drafter, _config(tmp_path, max_steps=2), train_dataset=dataset).train()
+    D3DTrainer(drafter, _config(tmp_path, max_steps=2), train_dataset=dataset, processing_class=TOKENIZER).train()
     drafter.save_pretrained(tmp_path / "out")
     from transformers import AutoModel
 
@@ -209,7 +210,7 @@ def test_peft_adapter_round_trip(target, dataset, tmp_path):
     from peft import PeftModel
 
     drafter = _drafter(target)
-    trainer = D3DTrainer(drafter, _config(tmp_path, train_mode="peft", max_steps=2), train_dataset=dataset)
+    trainer = D3DTrainer(drafter, _config(tmp_path, train_mode="peft", max_steps=2), train_dataset=dataset, processing_class=TOKENIZER)
     trainer.train()
     trainer.model.save_pretrained(tmp_path / "adapter")
     ids = random_prompt(6, seed=60)
@@ -321,7 +322,7 @@ def test_losses_without_blocks_skip_the_noisy_pass(target, ar_dataset):
 def test_ar_only_training_changes_every_trainable_parameter(target, ar_dataset, tmp_path, mode):
     torch.manual_seed(0)
     drafter = D3DForDiffusionDrafting.from_autoregressive(target, num_layers=2, block_size=4)
-    trainer = D3DTrainer(drafter, _ar_config(tmp_path, train_mode=mode), train_dataset=ar_dataset)
+    trainer = D3DTrainer(drafter, _ar_config(tmp_path, train_mode=mode), train_dataset=ar_dataset, processing_class=TOKENIZER)
     trainable = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainable and not any("mask_embedding" in n for n in trainable)
     trainer.train()
@@ -455,7 +456,7 @@ def test_training_on_batches_with_nothing_to_score(target, tmp_path, mode):
     assert float(losses["block_loss"].detach()) == float(losses["ar_loss"].detach()) == 0.0
     assert losses["block_loss"].requires_grad, "a zero loss must stay on the graph so that backward works"
     config = _edge_config(tmp_path, train_mode=mode, logging_nan_inf_filter=False)
-    trainer = D3DTrainer(drafter, config, train_dataset=rows)
+    trainer = D3DTrainer(drafter, config, train_dataset=rows, processing_class=TOKENIZER)
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert logged and all(h["loss"] == 0.0 for h in logged)
@@ -477,12 +478,12 @@ def test_resume_never_picks_a_half_written_checkpoint(target, tmp_path, monkeypa
     import transformers.trainer
 
     dataset = _edge_dataset(target)
-    full = D3DTrainer(_edge_drafter(target), _edge_config(tmp_path / "full", max_steps=4), train_dataset=dataset)
+    full = D3DTrainer(_edge_drafter(target), _edge_config(tmp_path / "full", max_steps=4), train_dataset=dataset, processing_class=TOKENIZER)
     full.train()
 
     run = tmp_path / "run"
     saves = _edge_config(run, max_steps=4, save_strategy="steps", save_steps=2)
-    crashed = D3DTrainer(_edge_drafter(target), saves, train_dataset=dataset)
+    crashed = D3DTrainer(_edge_drafter(target), saves, train_dataset=dataset, processing_class=TOKENIZER)
     with monkeypatch.context() as patch:
         if crash_in == "weights":
             real_save = D3DForDiffusionDrafting.save_pretrained
@@ -518,14 +519,14 @@ def test_resume_never_picks_a_half_written_checkpoint(target, tmp_path, monkeypa
     assert (run / "checkpoint-4").is_dir() and not is_complete_checkpoint(run / "checkpoint-4")
     assert last_complete_checkpoint(run) == str(run / "checkpoint-2")
 
-    resumed = D3DTrainer(_edge_drafter(target), _edge_config(run, max_steps=4), train_dataset=dataset)
+    resumed = D3DTrainer(_edge_drafter(target), _edge_config(run, max_steps=4), train_dataset=dataset, processing_class=TOKENIZER)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 4
     want = dict(full.model.named_parameters())
     for name, param in resumed.model.named_parameters():
         torch.testing.assert_close(param, want[name], rtol=1e-5, atol=1e-6, msg=name)
 
-    again = D3DTrainer(_edge_drafter(target), _edge_config(run, max_steps=4), train_dataset=dataset)
+    again = D3DTrainer(_edge_drafter(target), _edge_config(run, max_steps=4), train_dataset=dataset, processing_class=TOKENIZER)
     shutil.rmtree(run / "checkpoint-4")
     (run / "checkpoint-4").mkdir()
     with pytest.raises(ValueError, match="checkpoint-4 is not a complete checkpoint.*checkpoint-2"):
@@ -539,7 +540,7 @@ def test_train_command_resumes_from_the_last_complete_checkpoint(target, tmp_pat
     from d3d_hf.training import D3DTrainScriptArguments, train_drafter
 
     _edge_dataset(target).save_to_disk(str(tmp_path / "data"))
-    monkeypatch.setattr(d3d_hf.targets, "load_target", lambda name, dtype="float32": (target, None))
+    monkeypatch.setattr(d3d_hf.targets, "load_target", lambda name, dtype="float32": (target, TOKENIZER))
     script = D3DTrainScriptArguments(
         target="tiny", data=str(tmp_path / "data"), tau_holdout=1, init_block_size=EDGE_BLOCK
     )

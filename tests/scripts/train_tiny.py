@@ -10,7 +10,7 @@ import torch
 from datasets import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _tiny import tiny_target  # noqa: E402
+from _tiny import tiny_target, tiny_tokenizer  # noqa: E402
 
 from d3d_hf import D3DForDiffusionDrafting  # noqa: E402
 from d3d_hf.training import D3DTrainer, D3DTrainingConfig  # noqa: E402
@@ -39,7 +39,7 @@ config = D3DTrainingConfig(
     seed=3, train_mode="full", anchors_per_sequence=3, disable_tqdm=True, dataloader_drop_last=True,
     train_sampling_strategy="sequential",
 )
-trainer = D3DTrainer(drafter, config, train_dataset=Dataset.from_list(rows))
+trainer = D3DTrainer(drafter, config, train_dataset=Dataset.from_list(rows), processing_class=tiny_tokenizer())
 trainer.train()
 if trainer.is_world_process_zero():
     params = [p.detach().double().sum().item() for p in drafter.parameters() if p.requires_grad]

@@ -19,7 +19,7 @@ from .benchmarks import _read_jsonl_records as _read_jsonl_records
 from .benchmarks import _round_robin as _round_robin
 from .prompt import Prompt, encode_prompt
 from .prompt import _to_id_list as _to_id_list
-from .sources import EVALUATION_SETS, load_prompt_sources
+from .sources import EVALUATION_SETS, evaluation_texts, load_prompt_sources, refuse_evaluation_rows
 from .stdlib import MAX_SOURCE_CHARS, STDLIB_KINDS, STDLIB_LICENSE, stdlib_prompts, stdlib_source_info
 
 __all__ = [
@@ -32,8 +32,10 @@ __all__ = [
     "STDLIB_LICENSE",
     "Prompt",
     "encode_prompt",
+    "evaluation_texts",
     "load_prompt_sources",
     "load_prompts",
+    "refuse_evaluation_rows",
     "stdlib_prompts",
     "stdlib_source_info",
 ]

@@ -6,19 +6,103 @@ A source spec is a comma-separated list of:
   classes of the Python standard library installed with the interpreter (Python Software Foundation License
   Version 2);
 * a JSONL file in the format of :func:`d3d_hf.prompts.load_prompts`, optionally ``path:N`` for its first N prompts;
-* ``humaneval`` (and any prompt whose id starts with ``HumanEval/``) is refused: it is an evaluation set.
+* every evaluation set the bench knows (``humaneval``, ``gsm8k``, ``mt-bench``, ``vicuna-bench``: the keys of
+  :data:`~d3d_hf.prompts.PROMPT_SETS`) is refused, and so is any prompt whose id is an evaluation id
+  (``HumanEval/3``, ``gsm8k/12``, ...) or whose user turn is, word for word, a prompt of one of those sets.
 """
 
 from __future__ import annotations
 
-from .benchmarks import load_prompts
+import functools
+import re
+from collections.abc import Iterable
+
+from .benchmarks import PROMPT_SETS, load_prompts
 from .prompt import Prompt
 from .stdlib import stdlib_prompts
 
-EVALUATION_SETS = frozenset({"humaneval"})
-"""Prompt sets used for evaluation; :func:`load_prompt_sources` refuses them for training data."""
+EVALUATION_SETS = frozenset(PROMPT_SETS)
+"""Prompt sets used for evaluation (every set the bench knows); :func:`load_prompt_sources` refuses them for
+training data, and :func:`refuse_evaluation_rows` refuses datasets that hold their prompts."""
 
-_EVALUATION_ID_PREFIXES = ("HumanEval/",)
+_EVALUATION_ID = re.compile(r"^(HumanEval|gsm8k|mt-bench|vicuna-bench)/\d+$")
+"""The ids `load_prompts` gives the prompts of the evaluation sets."""
+
+
+@functools.lru_cache(maxsize=1)
+def evaluation_texts() -> dict[str, str]:
+    """The prompt texts of the evaluation sets, stripped: each user turn and raw prompt -> the id of its prompt.
+
+    Sets whose PyPI package is not installed are left out (their prompts cannot be recognised; the refusal of the
+    set names does not need them).
+    """
+    texts: dict[str, str] = {}
+    for name in sorted(EVALUATION_SETS):
+        try:
+            prompts = load_prompts(name)
+        except (ModuleNotFoundError, FileNotFoundError):
+            continue
+        for p in prompts:
+            for text in [m["content"] for m in p.messages if m.get("role") == "user"] + [p.raw or ""]:
+                if text.strip():
+                    texts.setdefault(text.strip(), p.id)
+    return texts
+
+
+def _evaluation_match(prompt_id: str | None, texts: Iterable[str]) -> str | None:
+    """The evaluation prompt id that `prompt_id` or one of `texts` is, else `None`."""
+    if prompt_id is not None and _EVALUATION_ID.match(str(prompt_id)):
+        return str(prompt_id)
+    known = evaluation_texts()
+    for text in texts:
+        if isinstance(text, str) and text.strip() in known:
+            return known[text.strip()]
+    return None
+
+
+def _user_texts(value) -> list[str]:
+    """The user-turn strings of a `prompt` / `messages` value (a string, or a list of chat messages)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [m["content"] for m in value if isinstance(m, dict) and m.get("role") == "user" and "content" in m]
+    return []
+
+
+def refuse_evaluation_rows(dataset, where: str = "the dataset") -> None:
+    """Raises if a training dataset holds an evaluation prompt (never train on what the bench measures).
+
+    A row is an evaluation prompt when its `id` is one `load_prompts` gives an evaluation set (`HumanEval/3`,
+    `gsm8k/12`, `mt-bench/81`, `vicuna-bench/5`) or a user turn of its `messages` or `prompt` (a string or chat
+    messages) equals, after stripping, a prompt of an evaluation set (:func:`evaluation_texts`). Plain text fields
+    are not searched. A `datasets.IterableDataset` is checked on its first 1000 rows.
+
+    Args:
+        dataset (`datasets.Dataset`, `datasets.IterableDataset` or a sequence of dicts): the training rows.
+        where (`str`): how the error names the dataset.
+
+    Raises:
+        ValueError: naming the first evaluation prompt found and what to do.
+    """
+    from itertools import islice
+
+    columns = getattr(dataset, "column_names", None)
+    if columns is not None and not ({"id", "messages", "prompt"} & set(columns)):
+        return
+    rows = dataset
+    if columns is not None and hasattr(dataset, "select_columns"):
+        rows = dataset.select_columns([c for c in ("id", "messages", "prompt") if c in columns])
+    if not hasattr(rows, "__len__"):
+        rows = islice(rows, 1000)
+    for index, row in enumerate(rows):
+        texts = _user_texts(row.get("messages")) + _user_texts(row.get("prompt"))
+        found = _evaluation_match(row.get("id"), texts)
+        if found is not None:
+            raise ValueError(
+                f"Row {index} of {where} is the evaluation prompt {found!r} ({', '.join(sorted(EVALUATION_SETS))} "
+                "are what `d3d-hf bench` measures): never train a drafter on them. Remove those rows, e.g. "
+                "generate data from 'stdlib[:N]' or your own prompts."
+            )
 
 
 def load_prompt_sources(spec: str, seed: int = 0) -> list[Prompt]:
@@ -37,8 +121,8 @@ def load_prompt_sources(spec: str, seed: int = 0) -> list[Prompt]:
 
     Raises:
         ValueError: An empty spec or item, a count that is not a positive integer, an evaluation set
-            (``humaneval``: evaluation prompts must never be trained on), a prompt whose id marks it as an
-            evaluation prompt (``HumanEval/...``), ids repeated across sources, or whatever
+            (:data:`EVALUATION_SETS`: evaluation prompts must never be trained on), a prompt that is an evaluation
+            prompt (its id, or its user turn word for word), ids repeated across sources, or whatever
             :func:`~d3d_hf.prompts.load_prompts` raises for a bad file.
         FileNotFoundError: A file that does not exist.
     """
@@ -67,10 +151,11 @@ def load_prompt_sources(spec: str, seed: int = 0) -> list[Prompt]:
         else:
             loaded = load_prompts(source, limit=limit)
         for p in loaded:
-            if p.id.startswith(_EVALUATION_ID_PREFIXES):
+            found = _evaluation_match(p.id, [*_user_texts(list(p.messages)), p.raw or ""])
+            if found is not None:
                 raise ValueError(
-                    f"{source!r} holds the evaluation prompt {p.id!r}: evaluation prompts must never be used as "
-                    "training data. Remove them from the file."
+                    f"{source!r} holds the evaluation prompt {found!r} (prompt {p.id!r}): evaluation prompts must "
+                    "never be used as training data. Remove them from the file."
                 )
             if p.id in origin:
                 raise ValueError(
@@ -82,4 +167,4 @@ def load_prompt_sources(spec: str, seed: int = 0) -> list[Prompt]:
     return prompts
 
 
-__all__ = ["EVALUATION_SETS", "load_prompt_sources"]
+__all__ = ["EVALUATION_SETS", "evaluation_texts", "load_prompt_sources", "refuse_evaluation_rows"]

@@ -1,17 +1,26 @@
-"""`D3DTrainingConfig`: the configuration of `D3DTrainer` (transformers `TrainingArguments` plus the D3D
-objective)."""
+"""`D3DTrainingConfig`: the configuration of `D3DTrainer` (`trl.SFTConfig` plus the D3D objective)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from transformers import TrainingArguments
+from trl import SFTConfig
 
 
 @dataclass
-class D3DTrainingConfig(TrainingArguments):
+class D3DTrainingConfig(SFTConfig):
     r"""
-    Configuration of `D3DTrainer`: every `transformers.TrainingArguments` field plus the D3D objective.
+    Configuration of `D3DTrainer`: every `trl.SFTConfig` field (so every `transformers.TrainingArguments` field, and
+    TRL's dataset fields: `dataset_text_field`, `completion_only_loss`, `assistant_only_loss`, `chat_template_path`,
+    `max_length`, `truncation_mode`, `dataset_kwargs`, ...) plus the D3D objective.
+
+    Defaults that differ from `SFTConfig` (they keep what `D3DTrainer` did on `transformers.TrainingArguments`):
+    `learning_rate` 5e-5 (SFTConfig: 2e-5), `gradient_checkpointing` False (the drafter does not support it),
+    `bf16` False (SFTConfig: True unless fp16; pass `--bf16` for mixed precision), `max_length` 512
+    (SFTConfig: 1024), `remove_unused_columns` False (the collator reads `prompt_ids` / `response_ids`). The
+    SFTConfig fields that change the loss (`loss_type`, `label_smoothing_factor`, `router_aux_loss_coef`) and the
+    layouts the D3D objective cannot use (`packing`, `padding_free`: a block must not cross from one document into
+    the next) are refused.
 
     Objective:
         block_size (`int`, *optional*): draft block size `B`; defaults to the drafter's `config.block_size`.
@@ -23,8 +32,8 @@ class D3DTrainingConfig(TrainingArguments):
         block_loss_weight (`float`, defaults to 1.0): weight of the block-diffusion loss. 0 turns it off (the noisy
             blocks are not computed): only the next-token loss trains, i.e. an autoregressive drafter; this needs
             `ar_loss_weight > 0` and `train_mode` `"full"` or `"peft"`.
-        max_length (`int`, defaults to 512): prompt + response tokens kept per sequence (the prompt is cut from
-            the left first).
+        max_length (`int` or `None`, defaults to 512): tokens kept per sequence; for `d3d-hf data` rows the prompt
+            is cut from the left first, TRL datasets are cut from the right (`truncation_mode="keep_start"`).
 
     What trains:
         train_mode (`str`, defaults to `"block_adapter"`): `"block_adapter"` trains block adapters
@@ -37,7 +46,12 @@ class D3DTrainingConfig(TrainingArguments):
             drafter has none.
         block_lora_alpha (`float`, defaults to 64.0): their scaling numerator.
         freeze_embeddings (`bool`, defaults to `True`): keep embeddings and LM head frozen in `"full"` mode.
-        peft_lora_rank (`int`, defaults to 16), peft_lora_alpha (`float`, defaults to 32.0): PEFT LoRA settings.
+        peft_lora_rank (`int`, defaults to 16), peft_lora_alpha (`float`, defaults to 32.0): PEFT LoRA settings of
+            `train_mode="peft"` when the trainer gets no `peft_config`.
+        peft_save_merged (`bool`, defaults to `True`): with PEFT, the final `save_model` writes the drafter with the
+            LoRA weights merged in (a plain drafter folder); `False` writes the PEFT adapter folder instead, whose
+            `adapter_config.json` names the base drafter (saved to `output_dir/base_drafter` when it has no folder
+            of its own). Checkpoints (`checkpoint-N`) always hold the adapter, so that runs resume.
 
     Evaluation of tau during training:
         tau_eval_steps (`int`, defaults to 0): every this many steps, measure tau through
@@ -46,8 +60,10 @@ class D3DTrainingConfig(TrainingArguments):
 
     Raises:
         ValueError: for an unknown `train_mode`, a mask ratio outside (0, 1], `anchors_per_sequence < 1`, a negative
-            loss weight, both loss weights 0, or `block_loss_weight=0` with `train_mode="block_adapter"` (nothing
-            would train).
+            loss weight, both loss weights 0, `block_loss_weight=0` with `train_mode="block_adapter"` (nothing
+            would train), `max_length < 2`, or an SFTConfig option the D3D objective cannot honour (`packing`,
+            `padding_free`, `gradient_checkpointing`, `loss_type` other than "nll", `label_smoothing_factor`,
+            `router_aux_loss_coef`).
     """
 
     block_size: int | None = field(default=None, metadata={"help": "Draft block size B (default: the drafter's)."})
@@ -59,19 +75,46 @@ class D3DTrainingConfig(TrainingArguments):
     block_loss_weight: float = field(
         default=1.0, metadata={"help": "Weight of the block-diffusion loss (0 = autoregressive drafter only)."}
     )
-    max_length: int = field(default=512, metadata={"help": "Tokens kept per sequence."})
+    max_length: int | None = field(default=512, metadata={"help": "Tokens kept per sequence."})
     train_mode: str = field(default="block_adapter", metadata={"help": "block_adapter | full | peft"})
     block_lora_rank: int = field(default=32, metadata={"help": "Rank of new block adapters."})
     block_lora_alpha: float = field(default=64.0, metadata={"help": "Scaling numerator of new block adapters."})
     freeze_embeddings: bool = field(default=True, metadata={"help": "Freeze embeddings/LM head in full mode."})
     peft_lora_rank: int = field(default=16, metadata={"help": "PEFT LoRA rank (train_mode=peft)."})
     peft_lora_alpha: float = field(default=32.0, metadata={"help": "PEFT LoRA alpha (train_mode=peft)."})
+    peft_save_merged: bool = field(
+        default=True, metadata={"help": "PEFT: save the merged drafter (False: the adapter folder naming its base)."}
+    )
     tau_eval_steps: int = field(default=0, metadata={"help": "Measure tau every N steps (0 = never)."})
     tau_eval_max_new_tokens: int = field(default=64, metadata={"help": "New tokens per tau prompt."})
     remove_unused_columns: bool = field(default=False, metadata={"help": "Keep the collator's columns."})
+    # SFTConfig defaults put back to what D3DTrainer had on TrainingArguments (class docstring)
+    learning_rate: float = field(default=5e-5, metadata={"help": "The initial learning rate for AdamW."})
+    gradient_checkpointing: bool | None = field(
+        default=None, metadata={"help": "Not supported by D3D drafters (must stay unset or False)."}
+    )
+    bf16: bool | None = field(default=False, metadata={"help": "bf16 mixed precision (default off)."})
 
     def __post_init__(self):
         super().__post_init__()
+        refused = {
+            "packing": self.packing,
+            "padding_free": self.padding_free,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "label_smoothing_factor": self.label_smoothing_factor,
+            "router_aux_loss_coef": self.router_aux_loss_coef,
+        }
+        set_options = [name for name, value in refused.items() if value]
+        if self.loss_type != "nll":
+            set_options.append(f"loss_type={self.loss_type!r}")
+        if set_options:
+            raise ValueError(
+                f"D3DTrainingConfig does not support {', '.join(set_options)}: the loss is the D3D objective (block "
+                "denoising + next-token loss on one padded sequence per row, blocks never crossing rows), and D3D "
+                "drafters do not support gradient checkpointing. Leave these options at their defaults."
+            )
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"`max_length` must be >= 2 (or None for no limit), got {self.max_length}.")
         if self.train_mode not in ("block_adapter", "full", "peft"):
             raise ValueError(f"`train_mode` must be block_adapter, full or peft, got {self.train_mode!r}.")
         if not 0 < self.mask_ratio_min <= self.mask_ratio_max <= 1:

@@ -75,7 +75,10 @@ def d3d_losses(
     Args:
         drafter (`D3DForDiffusionDrafting`): the drafter (or a PEFT model wrapping it: anything whose call accepts
             the drafter's forward arguments).
-        inputs (`dict`): a `D3DDataCollator` batch.
+        inputs (`dict`): a `D3DDataCollator` batch. With a `loss_mask` (`torch.BoolTensor` of shape `(batch, L)`,
+            True at the tokens to learn, as the collator makes from TRL's `labels`/`completion_mask`/`assistant_masks`),
+            only those tokens are scored (next-token targets and block targets); without one, every real token from
+            `response_start` on is (the same thing for a one-turn prompt + response).
         block_size (`int`): `B`.
         gamma (`float`): position-weight decay.
         compute_ar (`bool`): whether to compute the next-token loss on the clean stream.
@@ -95,6 +98,9 @@ def d3d_losses(
     batch, length = input_ids.shape
     span = block_size - 1
     device = input_ids.device
+    loss_mask = inputs.get("loss_mask")
+    if loss_mask is not None:
+        loss_mask = loss_mask.to(device=device, dtype=torch.bool)
 
     cache = D3DCache()
     with torch.set_grad_enabled(clean_requires_grad and torch.is_grad_enabled()):
@@ -108,7 +114,10 @@ def d3d_losses(
     if compute_ar:
         hidden = clean.last_hidden_state[:, :-1]
         positions = torch.arange(length - 1, device=device)[None]
-        keep = (positions >= (inputs["response_start"][:, None] - 1)) & attention_mask[:, 1:].bool()
+        if loss_mask is None:
+            keep = (positions >= (inputs["response_start"][:, None] - 1)) & attention_mask[:, 1:].bool()
+        else:
+            keep = loss_mask[:, 1:] & attention_mask[:, 1:].bool()
         if keep.any():
             unwrapped = getattr(drafter, "module", drafter)  # DistributedDataParallel wraps the model
             head = unwrapped.get_output_embeddings()
@@ -139,6 +148,8 @@ def d3d_losses(
     # a target that the block shows as a clean token is not scored (the last position predicts past the block)
     next_masked = torch.cat([masked[:, :, 1:], torch.ones_like(masked[:, :, :1])], dim=-1)
     scored = target_ok & next_masked
+    if loss_mask is not None:  # a block that runs into tokens not to learn (a user turn) does not score them
+        scored = scored & torch.gather(loss_mask, 1, target_pos.clamp(max=length - 1).view(batch, -1)).view_as(pos)
     targets = torch.gather(input_ids, 1, target_pos.clamp(max=length - 1).view(batch, -1)).view_as(pos)
 
     attn = block_diffusion_attention_mask(anchors, attention_mask, block_size)

@@ -1,62 +1,134 @@
-"""`D3DTrainer`: the transformers `Trainer` for D3D drafters (objective: `d3d_hf.training.objective`)."""
+"""`D3DTrainer`: `trl.SFTTrainer` for D3D drafters (objective: `d3d_hf.training.objective`)."""
 
 from __future__ import annotations
 
+import copy
 import math
+import os
 from pathlib import Path
 
 import torch
+from accelerate.utils import is_peft_model
 from transformers import Trainer
+from transformers.trainer import TRAINING_ARGS_NAME
+from trl import SFTTrainer
+from trl.data_utils import get_dataset_column_names
 
 from ..modeling import D3DForDiffusionDrafting
+from ..prompts import refuse_evaluation_rows
 from .callbacks import TauCallback, _EpochCallback
 from .checkpoints import is_complete_checkpoint, last_complete_checkpoint
 from .collator import D3DDataCollator
 from .config import D3DTrainingConfig
 from .objective import d3d_losses
 
+PEFT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections `train_mode="peft"` adapts when no `peft_config` is given."""
 
-class D3DTrainer(Trainer):
-    """`transformers.Trainer` for D3D drafters (objective: `d3d_hf.training.objective`).
+BASE_DRAFTER_DIR = "base_drafter"
+"""Subfolder of an adapter folder (`peft_save_merged=False`) that holds a base drafter that had no folder of its own."""
+
+
+def _local_tokenizer(model: D3DForDiffusionDrafting):
+    """The tokenizer of the first local folder among the drafter's target, source and own folder, else `None`."""
+    from transformers import AutoTokenizer
+
+    config = model.config
+    for name in (getattr(config, "target_model", None), getattr(config, "source_model", None), model.name_or_path):
+        if name and os.path.isdir(name):
+            try:
+                return AutoTokenizer.from_pretrained(name)
+            except (OSError, ValueError):
+                continue
+    return None
+
+
+class D3DTrainer(SFTTrainer):
+    """`trl.SFTTrainer` for D3D drafters: TRL's dataset handling, PEFT, callbacks, logging and model card, with the D3D
+    objective (`d3d_hf.training.objective`) as the loss.
+
+    Why `SFTTrainer`: a drafter is trained on the target's answers exactly as a causal LM is fine-tuned on
+    completions, so SFT's dataset handling is what a drafter needs: conversational (`messages`), prompt-completion
+    and text datasets are tokenized with the chat template, and TRL's `completion_mask` / `assistant_masks`
+    (`completion_only_loss`, `assistant_only_loss`) become `labels` of -100 on the tokens not to learn, which
+    `D3DDataCollator` turns into the objective's `loss_mask`. Only the loss differs, so `compute_loss` is replaced;
+    the rest (PEFT wrapping through `peft_config`, accelerate, checkpoints, logging of `num_tokens`) is TRL's.
+    Rows written by `d3d-hf data` (`prompt_ids`, `response_ids`: the target's exact generated ids) skip TRL's
+    tokenization and train as before.
 
     Args:
         model (`D3DForDiffusionDrafting`): the drafter to train (block adapters are added for
             `train_mode="block_adapter"` when it has none, initialised from `args.seed`).
         args (`D3DTrainingConfig`): configuration.
-        train_dataset: rows with `prompt_ids` and `response_ids` (as `d3d-hf data` writes).
-        processing_class: the tokenizer (its pad id is used for padding; saved with checkpoints).
+        data_collator (*optional*): defaults to a `D3DDataCollator` built from `args`.
+        train_dataset (`datasets.Dataset` or `datasets.IterableDataset`): rows of `d3d-hf data`
+            (`prompt_ids`, `response_ids`) or any dataset `trl.SFTTrainer` takes (`messages`; `prompt` +
+            `completion`; a text field; `input_ids` with optional `labels` / `completion_mask` /
+            `assistant_masks`). Refused if it holds a prompt of an evaluation set the bench knows
+            (`d3d_hf.prompts.refuse_evaluation_rows`).
+        eval_dataset (*optional*): the same kinds, for `evaluate` (the loss of the D3D objective).
+        processing_class (`PreTrainedTokenizerBase`, *optional*): the target's tokenizer (its pad id pads the
+            batches; saved with checkpoints). Defaults to the tokenizer of the drafter's target or source folder
+            when that is a local folder.
         target (`PreTrainedModel`, *optional*): the target, needed for tau evaluation.
         tau_prompts (`list[torch.LongTensor]`, *optional*): encoded held-out prompts `(1, seq_len)` for tau.
-        Other keyword arguments go to `transformers.Trainer`.
+        peft_config (`peft.PeftConfig`, *optional*): PEFT adapters to train (`train_mode` becomes `"peft"`).
+            Without one, `train_mode="peft"` uses LoRA of rank `peft_lora_rank` on the seven projections. The mask
+            embedding is added to `modules_to_save` when the block loss is on (a new mask embedding must learn).
+        Other keyword arguments go to `trl.SFTTrainer` (`callbacks`, `optimizers`, `formatting_func`, ...).
 
     Raises:
-        ValueError: if `model` is not a D3D drafter, `train_mode="peft"` without peft installed, or tau evaluation
-            is requested without a target and prompts.
+        ValueError: if `model` is not a D3D drafter, `args` is not a `D3DTrainingConfig`, no tokenizer is given
+            or found, `peft_config` comes with `train_mode="full"`, the block size is < 2, tau evaluation is
+            requested without a target and prompts, or a dataset holds evaluation prompts.
     """
+
+    _tag_names = ["trl", "sft", "d3d", "speculative-decoding"]
+    _name = "D3D"
 
     def __init__(
         self,
         model,
         args: D3DTrainingConfig,
+        data_collator=None,
         train_dataset=None,
+        eval_dataset=None,
         processing_class=None,
         target=None,
         tau_prompts=None,
+        peft_config=None,
         **kwargs,
     ):
         if not isinstance(model, D3DForDiffusionDrafting):
             raise ValueError(f"D3DTrainer trains D3DForDiffusionDrafting models, got {type(model).__name__}.")
+        if not isinstance(args, D3DTrainingConfig):
+            raise ValueError(f"D3DTrainer needs a D3DTrainingConfig, got {type(args).__name__}.")
         if args.tau_eval_steps and (target is None or not tau_prompts):
             raise ValueError("`tau_eval_steps` needs `target=` and `tau_prompts=`.")
         self.block_size = args.block_size or model.config.block_size
         if self.block_size < 2:
             raise ValueError(f"Training needs a block size >= 2, got {self.block_size}.")
+        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            datasets = dataset.values() if isinstance(dataset, dict) else [dataset]
+            for part in datasets:
+                if part is not None:
+                    refuse_evaluation_rows(part, where=name)
+        if processing_class is None:
+            processing_class = _local_tokenizer(model)
+            if processing_class is None:
+                raise ValueError(
+                    "D3DTrainer needs `processing_class=` (the target's tokenizer): the drafter names no local target "
+                    "or source folder to load one from."
+                )
         self.drafter = model
         self.target = target
         self.tau_prompts = tau_prompts or []
-        model = self._prepare_trainable(model, args)
+        peft_config = self._peft_config(model, args, peft_config)
+        self._prepare_trainable(model, args)
         pad = getattr(processing_class, "pad_token_id", None)
-        collator = kwargs.pop("data_collator", None) or D3DDataCollator(
+        if pad is None:
+            pad = getattr(processing_class, "eos_token_id", None)
+        collator = data_collator or D3DDataCollator(
             block_size=self.block_size,
             anchors_per_sequence=args.anchors_per_sequence,
             mask_ratio=(args.mask_ratio_min, args.mask_ratio_max),
@@ -67,19 +139,47 @@ class D3DTrainer(Trainer):
         super().__init__(
             model=model,
             args=args,
-            train_dataset=train_dataset,
-            processing_class=processing_class,
             data_collator=collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            peft_config=peft_config,
             **kwargs,
         )
-        self._loss_parts: dict[str, list[float]] = {}
         if isinstance(collator, D3DDataCollator):
             self.add_callback(_EpochCallback(collator))
         if args.tau_eval_steps:
             self.add_callback(TauCallback(self))
 
-    def _prepare_trainable(self, model: D3DForDiffusionDrafting, args: D3DTrainingConfig):
-        """Freezes/unfreezes parameters for `train_mode`; returns the model to train (PEFT-wrapped for peft)."""
+    @staticmethod
+    def _peft_config(model: D3DForDiffusionDrafting, args: D3DTrainingConfig, peft_config):
+        """The PEFT config to wrap the drafter with (`None` for block adapters and full fine-tuning)."""
+        if peft_config is None and args.train_mode != "peft":
+            return None
+        if peft_config is not None and args.train_mode == "full":
+            raise ValueError(
+                "`peft_config` trains PEFT adapters, but `train_mode='full'` asks for every weight: pass "
+                "`train_mode='peft'` (or leave the default) with a `peft_config`, or drop the `peft_config`."
+            )
+        try:
+            from peft import LoraConfig
+        except ImportError as err:  # pragma: no cover - peft is in the train extra
+            raise ValueError("train_mode='peft' needs peft: pip install 'd3d-hf[train]'.") from err
+        args.train_mode = "peft"
+        if peft_config is None:
+            peft_config = LoraConfig(
+                r=args.peft_lora_rank, lora_alpha=args.peft_lora_alpha, target_modules=list(PEFT_TARGET_MODULES)
+            )
+        else:
+            peft_config = copy.deepcopy(peft_config)  # the caller's config is not changed
+        if model.model.mask_embedding is not None and args.block_loss_weight > 0:
+            to_save = list(peft_config.modules_to_save or [])
+            if "mask_embedding" not in to_save:
+                peft_config.modules_to_save = [*to_save, "mask_embedding"]
+        return peft_config
+
+    def _prepare_trainable(self, model: D3DForDiffusionDrafting, args: D3DTrainingConfig) -> None:
+        """Freezes/unfreezes parameters for `train_mode` (PEFT freezes the base itself when it wraps the model)."""
         self.clean_requires_grad = True
         if args.train_mode == "block_adapter":
             if model.config.block_lora_rank == 0:
@@ -104,25 +204,18 @@ class D3DTrainer(Trainer):
                 # without the block loss no mask is ever embedded: the mask embedding gets no gradient
                 frozen = frozen or (args.block_loss_weight == 0 and "mask_embedding" in name)
                 param.requires_grad_(not frozen)
-        else:
-            try:
-                from peft import LoraConfig, get_peft_model
-            except ImportError as err:  # pragma: no cover - peft is in the train extra
-                raise ValueError("train_mode='peft' needs peft: pip install 'd3d-hf[train]'.") from err
-            config = LoraConfig(
-                r=args.peft_lora_rank,
-                lora_alpha=args.peft_lora_alpha,
-                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                modules_to_save=(
-                    ["mask_embedding"]
-                    if model.model.mask_embedding is not None and args.block_loss_weight > 0
-                    else None
-                ),
-            )
-            model = get_peft_model(model, config)
-        return model
+
+    def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
+        """`SFTTrainer._prepare_dataset`, except for `d3d-hf data` rows (`prompt_ids` and `response_ids`: already
+        the target's exact ids), which `D3DDataCollator` batches as they are."""
+        columns = set(get_dataset_column_names(dataset))
+        if {"prompt_ids", "response_ids"} <= columns:
+            return dataset
+        return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The D3D objective: `block_loss_weight * block_loss + ar_loss_weight * ar_loss` (`d3d_losses`); both parts
+        are logged (averaged over processes and the steps since the last log) next to TRL's `num_tokens`."""
         losses = d3d_losses(
             model,
             inputs,
@@ -133,16 +226,30 @@ class D3DTrainer(Trainer):
             compute_block=self.args.block_loss_weight > 0,
         )
         loss = self.args.block_loss_weight * losses["block_loss"] + self.args.ar_loss_weight * losses["ar_loss"]
+        mode = "train" if self.model.training else "eval"
         for key in ("block_loss", "ar_loss"):
-            self._loss_parts.setdefault(key, []).append(float(losses[key].detach()))
+            value = self.accelerator.gather_for_metrics(losses[key].detach().reshape(1)).mean()
+            self._metrics[mode][key].append(float(value))
+        if mode == "train":
+            tokens = self.accelerator.gather_for_metrics(inputs["attention_mask"].sum().reshape(1)).sum()
+            self._total_train_tokens += int(tokens)
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
         return (loss, losses) if return_outputs else loss
 
-    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        if "loss" in logs and self._loss_parts:
-            for key, values in self._loss_parts.items():
-                logs[key] = sum(values) / len(values)
-            self._loss_parts = {}
-        super().log(logs, *args, **kwargs)
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The loss of the D3D objective only (there are no logits to compare with labels)."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """TRL's log (the metrics since the last log merged in) for loss and evaluation logs; other logs (`tau`,
+        the end-of-training summary) as they are, so that they do not take the loss parts away."""
+        if "loss" in logs or any(key.startswith("eval_") for key in logs):
+            super().log(logs, start_time)
+        else:
+            Trainer.log(self, logs, start_time)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
         """`Trainer.train`, resuming only from complete checkpoints.
@@ -176,6 +283,90 @@ class D3DTrainer(Trainer):
             resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
         )
 
+    # ------------------------------------------------------------------------------------------------------------
+    # saving: the drafter's own card, PEFT drafters merged or as an adapter folder naming its base drafter
+
+    def _update_card_data(self, dataset_name: str | None = None, tags=None) -> None:
+        """Records the training run in `drafter.card_data` (rendered into the drafter card by every save)."""
+        import trl
+
+        from ..hub import DrafterCardData
+
+        args = self.args
+        data = copy.deepcopy(DrafterCardData.coerce(getattr(self.drafter, "card_data", None)))
+        extra = [tags] if isinstance(tags, str) else list(tags or [])
+        data.tags = list(dict.fromkeys([*data.tags, *self._tag_names, *extra]))
+        if dataset_name and dataset_name not in data.datasets:
+            data.datasets.append(dataset_name)
+        data.training = {
+            **(data.training or {}),
+            "trainer": f"d3d_hf.training.D3DTrainer (trl.SFTTrainer, trl {trl.__version__})",
+            "train_mode": args.train_mode,
+            "steps": self.state.global_step,
+            "learning_rate": args.learning_rate,
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "processes": args.world_size,
+            "block_size": self.block_size,
+            "anchors_per_sequence": args.anchors_per_sequence,
+            "block_loss_weight": args.block_loss_weight,
+            "ar_loss_weight": args.ar_loss_weight,
+            "position_weight_gamma": args.position_weight_gamma,
+            "max_length": args.max_length,
+            "seed": args.seed,
+        }
+        self.drafter.card_data = data
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None, **kwargs):
+        """Writes the drafter's card (`d3d_hf.hub.write_model_card`) into `output_dir`, with TRL's tags and the
+        training run recorded, instead of TRL's generic SFT card (called by TRL at each checkpoint and by
+        `push_to_hub`; `model_name` and the other keyword arguments of TRL's card are not used)."""
+        if not self.is_world_process_zero():
+            return
+        from ..hub import write_model_card
+
+        self._update_card_data(dataset_name, tags)
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        write_model_card(self.drafter, self.args.output_dir)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """`Trainer.save_model`, with the drafter's card; a PEFT drafter (outside checkpoints) is saved merged
+        (`peft_save_merged`, a plain drafter folder) or as the adapter folder whose `adapter_config.json` names the
+        base drafter (`d3d_hf.load_drafter` and `AutoModel.from_pretrained(..., trust_remote_code=True)` load both).
+        """
+        output_dir = output_dir or self.args.output_dir
+        self._update_card_data()
+        if _internal_call or not is_peft_model(self.model):
+            return super().save_model(output_dir, _internal_call)
+        if not self.args.should_save:
+            return None
+        peft_model = self.accelerator.unwrap_model(self.model)
+        os.makedirs(output_dir, exist_ok=True)
+        tokenizer = self.processing_class
+        if self.args.peft_save_merged:
+            merged = copy.deepcopy(peft_model).merge_and_unload()
+            merged.__dict__.pop("forward", None)  # TRL's fused-head forward is bound to the training copy
+            merged.save_pretrained(output_dir, tokenizer=tokenizer)
+        else:
+            config = peft_model.peft_config[peft_model.active_adapter]
+            base = self.drafter.name_or_path
+            if not base or not (os.path.isdir(base) and os.path.isfile(os.path.join(base, "config.json"))):
+                # a drafter made in memory: its unadapted weights go next to the adapter
+                base_folder = Path(output_dir) / BASE_DRAFTER_DIR
+                unadapted = copy.deepcopy(peft_model).unload()
+                unadapted.__dict__.pop("forward", None)
+                unadapted.save_pretrained(base_folder, tokenizer=tokenizer)
+                base = str(base_folder.resolve())
+            config.base_model_name_or_path = base
+            peft_model.save_pretrained(output_dir)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(output_dir)
+            from ..hub import write_model_card
+
+            write_model_card(self.drafter, output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        return None
+
     @torch.no_grad()
     def measure_tau(self) -> float:
         """tau of greedy `target.generate(..., assistant_model=drafter)` over `tau_prompts` (all new tokens over
@@ -199,4 +390,4 @@ class D3DTrainer(Trainer):
         return tokens / rounds if rounds else math.nan
 
 
-__all__ = ["D3DTrainer"]
+__all__ = ["BASE_DRAFTER_DIR", "PEFT_TARGET_MODULES", "D3DTrainer"]
