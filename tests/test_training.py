@@ -178,12 +178,16 @@ def test_bad_config_raises(tmp_path):
 
 
 def test_resume_gives_the_same_state(target, dataset, tmp_path):
-    full = D3DTrainer(_drafter(target), _config(tmp_path / "a", max_steps=4), train_dataset=dataset, processing_class=TOKENIZER)
+    full = D3DTrainer(
+        _drafter(target), _config(tmp_path / "a", max_steps=4), train_dataset=dataset, processing_class=TOKENIZER,
+    )
     full.train()
     first = D3DTrainer(_drafter(target), _config(tmp_path / "b", max_steps=4, save_strategy="steps", save_steps=2),
                        train_dataset=dataset, processing_class=TOKENIZER)
     first.train()
-    resumed = D3DTrainer(_drafter(target), _config(tmp_path / "b", max_steps=4), train_dataset=dataset, processing_class=TOKENIZER)
+    resumed = D3DTrainer(
+        _drafter(target), _config(tmp_path / "b", max_steps=4), train_dataset=dataset, processing_class=TOKENIZER,
+    )
     resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
     want = dict(full.model.named_parameters())
     for name, param in resumed.model.named_parameters():
@@ -210,7 +214,9 @@ def test_peft_adapter_round_trip(target, dataset, tmp_path):
     from peft import PeftModel
 
     drafter = _drafter(target)
-    trainer = D3DTrainer(drafter, _config(tmp_path, train_mode="peft", max_steps=2), train_dataset=dataset, processing_class=TOKENIZER)
+    trainer = D3DTrainer(
+        drafter, _config(tmp_path, train_mode="peft", max_steps=2), train_dataset=dataset, processing_class=TOKENIZER,
+    )
     trainer.train()
     trainer.model.save_pretrained(tmp_path / "adapter")
     ids = random_prompt(6, seed=60)
@@ -322,7 +328,9 @@ def test_losses_without_blocks_skip_the_noisy_pass(target, ar_dataset):
 def test_ar_only_training_changes_every_trainable_parameter(target, ar_dataset, tmp_path, mode):
     torch.manual_seed(0)
     drafter = D3DForDiffusionDrafting.from_autoregressive(target, num_layers=2, block_size=4)
-    trainer = D3DTrainer(drafter, _ar_config(tmp_path, train_mode=mode), train_dataset=ar_dataset, processing_class=TOKENIZER)
+    trainer = D3DTrainer(
+        drafter, _ar_config(tmp_path, train_mode=mode), train_dataset=ar_dataset, processing_class=TOKENIZER,
+    )
     trainable = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainable and not any("mask_embedding" in n for n in trainable)
     trainer.train()
@@ -478,7 +486,10 @@ def test_resume_never_picks_a_half_written_checkpoint(target, tmp_path, monkeypa
     import transformers.trainer
 
     dataset = _edge_dataset(target)
-    full = D3DTrainer(_edge_drafter(target), _edge_config(tmp_path / "full", max_steps=4), train_dataset=dataset, processing_class=TOKENIZER)
+    full = D3DTrainer(
+        _edge_drafter(target), _edge_config(tmp_path / "full", max_steps=4), train_dataset=dataset,
+        processing_class=TOKENIZER,
+    )
     full.train()
 
     run = tmp_path / "run"
@@ -519,14 +530,18 @@ def test_resume_never_picks_a_half_written_checkpoint(target, tmp_path, monkeypa
     assert (run / "checkpoint-4").is_dir() and not is_complete_checkpoint(run / "checkpoint-4")
     assert last_complete_checkpoint(run) == str(run / "checkpoint-2")
 
-    resumed = D3DTrainer(_edge_drafter(target), _edge_config(run, max_steps=4), train_dataset=dataset, processing_class=TOKENIZER)
+    resumed = D3DTrainer(
+        _edge_drafter(target), _edge_config(run, max_steps=4), train_dataset=dataset, processing_class=TOKENIZER,
+    )
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 4
     want = dict(full.model.named_parameters())
     for name, param in resumed.model.named_parameters():
         torch.testing.assert_close(param, want[name], rtol=1e-5, atol=1e-6, msg=name)
 
-    again = D3DTrainer(_edge_drafter(target), _edge_config(run, max_steps=4), train_dataset=dataset, processing_class=TOKENIZER)
+    again = D3DTrainer(
+        _edge_drafter(target), _edge_config(run, max_steps=4), train_dataset=dataset, processing_class=TOKENIZER,
+    )
     shutil.rmtree(run / "checkpoint-4")
     (run / "checkpoint-4").mkdir()
     with pytest.raises(ValueError, match="checkpoint-4 is not a complete checkpoint.*checkpoint-2"):
