@@ -81,7 +81,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     _add_common(p)
 
-    sub.add_parser("train", help="train a drafter on `d3d-hf data` output (see `d3d-hf train --help`)")
+    sub.add_parser(
+        "train", help="train a drafter on `d3d-hf data` output or a TRL dataset (TRL's flags; `d3d-hf train --help`)"
+    )
 
     p = sub.add_parser("bench", help="benchmark methods interleaved on real prompts")
     p.add_argument("--target", default=None, help="target model (default: the drafter's recorded target)")
@@ -183,7 +185,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("data", help="generate target-distilled training data (the target answers real prompts)")
     p.add_argument("--target", required=True, help="target model: known name, folder, .gguf file or hub id")
     p.add_argument(
-        "--prompts", default="stdlib", help="comma-separated sources: stdlib[:N], JSONL file[:N] (never humaneval)"
+        "--prompts",
+        default="stdlib",
+        help="comma-separated sources: stdlib[:N], JSONL file[:N] (never an evaluation set: humaneval, gsm8k, ...)",
     )
     p.add_argument("--output", required=True, help="folder for shards, settings and the dataset (resumed if re-run)")
     p.add_argument("--max-new-tokens", type=int, default=192)
@@ -706,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `d3d-hf` console script."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "train":
-        # `train` takes every D3DTrainingConfig / TrainingArguments field, parsed by transformers' HfArgumentParser
+        # `train` takes every D3DTrainingConfig (trl.SFTConfig) field and `--config FILE.yaml`, parsed by trl.TrlParser
         import d3d_hf  # noqa: F401
 
         from .training import main as train_main

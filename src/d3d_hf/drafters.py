@@ -64,6 +64,34 @@ def _check_local_drafter_folder(folder: str) -> None:
         )
 
 
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _load_adapter_drafter(folder: str, dtype, device: str) -> D3DForDiffusionDrafting:
+    """A PEFT adapter folder: its base drafter (`base_model_name_or_path`, relative to the folder or as given)
+    loaded by `load_drafter`, the adapter applied through PEFT and merged in."""
+    try:
+        from peft import PeftModel
+    except ImportError as err:  # pragma: no cover - peft is in the train extra
+        raise ValueError(f"{folder} holds a PEFT adapter: loading it needs peft (pip install 'd3d-hf[train]').") from err
+    config_file = os.path.join(folder, ADAPTER_CONFIG)
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            base = json.load(f).get("base_model_name_or_path")
+    except ValueError as err:
+        raise ValueError(f"{config_file} is not valid JSON ({err}): save the adapter again.") from err
+    if not base:
+        raise ValueError(
+            f"{config_file} names no base drafter (`base_model_name_or_path`): set it to the folder or hub id of the "
+            "drafter the adapter was trained on."
+        )
+    relative = os.path.join(folder, base)
+    drafter = load_drafter(relative if os.path.isdir(relative) else base, dtype=dtype, device=device)
+    if not isinstance(drafter, D3DForDiffusionDrafting):  # pragma: no cover - load_drafter checks the type
+        raise ValueError(f"The base of the adapter in {folder} is not a D3D drafter.")
+    return PeftModel.from_pretrained(drafter, folder).merge_and_unload().to(device).eval()
+
+
 def load_drafter(
     name_or_path: str, dtype: torch.dtype | str = torch.float32, device: str = "cpu"
 ) -> D3DForDiffusionDrafting:
@@ -73,7 +101,9 @@ def load_drafter(
         name_or_path (`str`): a shipped drafter's name (`KNOWN_DRAFTERS`, e.g. `d3d-smollm2-135m-instruct`), a
             folder written by `save_pretrained` (or `d3d-hf init-drafter`, `d3d-hf train`) or a hub id. A drafter
             that shares its target's weights is returned unattached: `target.generate(...,
-            assistant_model=drafter)` attaches them.
+            assistant_model=drafter)` attaches them. A local PEFT adapter folder (`adapter_config.json` and no
+            `config.json`, as `D3DTrainer` writes with `peft_save_merged=False`) loads its base drafter
+            (`base_model_name_or_path`), applies the adapter through PEFT and returns the merged drafter.
         dtype (`torch.dtype` or `str`, defaults to `torch.float32`): weight dtype.
         device (`str`, defaults to `"cpu"`): device to load to.
 
@@ -85,11 +115,15 @@ def load_drafter(
             weights file.
         ValueError: if the checkpoint is not a D3D drafter, its config.json is not valid JSON, lacks `model_type`
             or a required field (`D3DConfig.from_dict`), or its weights do not match its config (no mask token,
-            missing or unused tensors; `D3DForDiffusionDrafting.from_pretrained`).
+            missing or unused tensors; `D3DForDiffusionDrafting.from_pretrained`), or an adapter folder names no
+            base drafter.
         OSError: if a weights file is truncated or corrupt.
     """
     name_or_path = resolve_drafter(name_or_path)
     looks_local = os.path.sep in name_or_path or name_or_path.startswith(".") or os.path.exists(name_or_path)
+    is_adapter = os.path.isfile(os.path.join(name_or_path, ADAPTER_CONFIG))
+    if looks_local and is_adapter and not os.path.isfile(os.path.join(name_or_path, "config.json")):
+        return _load_adapter_drafter(name_or_path, dtype, device)
     if looks_local:
         _check_local_drafter_folder(name_or_path)
     try:

@@ -129,4 +129,5 @@ class D3DDataCollator:
             out["loss_mask"] = loss_mask
         return out
 
+
 __all__ = ["D3DDataCollator"]

@@ -1,7 +1,14 @@
-"""`d3d-hf train`: what to train on (`D3DTrainScriptArguments`), loading the data, training and saving."""
+"""`d3d-hf train`: what to train on (`D3DTrainScriptArguments`), loading the data, training and saving.
+
+The command line is TRL's (`trl.TrlParser`): every `D3DTrainScriptArguments` and `D3DTrainingConfig` field (so every
+`trl.SFTConfig` and `transformers.TrainingArguments` field) is a flag, spelled with underscores as TRL and
+transformers document them (`--max_steps`) or with dashes like the other `d3d-hf` subcommands (`--max-steps`; both
+are accepted), and `--config FILE.yaml` reads any of them from a YAML mapping (flags given too override it).
+"""
 
 from __future__ import annotations
 
+import glob
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +27,11 @@ class D3DTrainScriptArguments:
 
     Args:
         target (`str`): the target model (a known name such as `smollm2-135m-instruct`, a folder or a hub id).
-        data (`str`): a dataset folder written by `d3d-hf data` (its `dataset/` subfolder or the folder itself).
+        data (`str`): the training rows: a folder written by `d3d-hf data` (its `dataset/` subfolder or the folder
+            itself; any `datasets.save_to_disk` folder), or JSON / JSONL files (a path, a glob such as
+            `runs/data/x/shards/*.jsonl`, or comma-separated paths) read with `datasets.load_dataset("json", ...)`:
+            `d3d-hf data` shards, or any dataset TRL's `SFTTrainer` takes (`messages`, `prompt` + `completion`,
+            a text field).
         drafter (`str`, *optional*): start from this drafter folder instead of initialising from the target.
         num_layers (`int`, *optional*): layers copied from the target when initialising (default: all).
         init_block_size (`int`, defaults to 16): block size of a newly initialised drafter.
@@ -28,13 +39,13 @@ class D3DTrainScriptArguments:
             weights and saves only its own (valid with `train_mode="block_adapter"`; ignored otherwise).
         dtype (`str`, defaults to `"float32"`): dtype of the target (and shared weights) during training.
         tau_holdout (`int`, defaults to 4): rows held out of training (the last ones) whose prompts measure tau
-            every `tau_eval_steps`.
+            every `tau_eval_steps` (a conversational row's prompt is its messages before the last assistant turn).
         threads (`int`, *optional*): torch CPU threads.
         overwrite (`bool`, defaults to `False`): allow a non-empty `output_dir` without resuming.
     """
 
     target: str = field(metadata={"help": "Target model name, folder or hub id."})
-    data: str = field(metadata={"help": "Dataset folder written by `d3d-hf data`."})
+    data: str = field(metadata={"help": "`d3d-hf data` folder, or JSON/JSONL file(s) (path, glob, comma-separated)."})
     drafter: str | None = field(default=None, metadata={"help": "Start from this drafter folder."})
     num_layers: int | None = field(default=None, metadata={"help": "Layers of a new drafter (default all)."})
     init_block_size: int = field(default=16, metadata={"help": "Block size of a new drafter."})
@@ -46,24 +57,61 @@ class D3DTrainScriptArguments:
 
 
 def load_training_dataset(path: str):
-    """Loads a `d3d-hf data` dataset (`datasets.load_from_disk`) from `path` or `path/dataset`.
+    """Loads training rows: a `datasets.save_to_disk` folder (`path` or `path/dataset`, as `d3d-hf data` writes) or
+    JSON / JSONL files (`path` a file, a glob, or comma-separated files) through `datasets.load_dataset("json")`.
+
+    Returns:
+        `datasets.Dataset` (the `train` split of a saved `DatasetDict`).
 
     Raises:
-        FileNotFoundError: if neither holds a saved dataset.
+        FileNotFoundError: if `path` is neither a saved dataset nor existing JSON / JSONL files.
     """
-    from datasets import load_from_disk
+    from datasets import DatasetDict, load_dataset, load_from_disk
 
     for candidate in (Path(path) / "dataset", Path(path)):
         if (candidate / "dataset_info.json").exists() or (candidate / "state.json").exists():
-            return load_from_disk(str(candidate))
-    raise FileNotFoundError(f"No dataset at {path}: create one with `d3d-hf data --output {path}`.")
+            dataset = load_from_disk(str(candidate))
+        elif (candidate / "dataset_dict.json").exists():
+            dataset = load_from_disk(str(candidate))
+        else:
+            continue
+        return dataset["train"] if isinstance(dataset, DatasetDict) else dataset
+    files = sorted(f for part in path.split(",") for f in glob.glob(part.strip()) if Path(f).is_file())
+    if files and all(f.endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz")) for f in files):
+        return load_dataset("json", data_files=files, split="train")
+    raise FileNotFoundError(
+        f"No dataset at {path}: pass a folder written by `d3d-hf data --output {path}` (or `save_to_disk`), or "
+        "JSON/JSONL files (a path, a glob like 'runs/data/x/shards/*.jsonl', or comma-separated paths)."
+    )
+
+
+def _tau_prompt(row: dict, tokenizer) -> list[int]:
+    """The prompt ids of a held-out row: `prompt_ids`, a chat `prompt`, the messages before the last assistant
+    turn, or a plain `prompt` string."""
+    if "prompt_ids" in row:
+        return list(row["prompt_ids"])
+    messages = row.get("prompt") if isinstance(row.get("prompt"), list) else None
+    if messages is None and isinstance(row.get("messages"), list):
+        turns = list(row["messages"])
+        last = max((i for i, m in enumerate(turns) if m.get("role") == "assistant"), default=len(turns))
+        messages = turns[:last]
+    if messages:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    if isinstance(row.get("prompt"), str):
+        return tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+    raise ValueError(
+        f"Cannot measure tau on a row with columns {sorted(row)}: give rows with `prompt_ids`, `prompt` or "
+        "`messages`, or pass --tau_eval_steps 0."
+    )
 
 
 def train_drafter(script: D3DTrainScriptArguments, config: D3DTrainingConfig) -> D3DForDiffusionDrafting:
     """Runs `d3d-hf train`: loads target, data and drafter, trains, saves the drafter to `config.output_dir`.
 
     Returns:
-        The trained `D3DForDiffusionDrafting` (block adapters merged into nothing: saved as they are).
+        The trained `D3DForDiffusionDrafting` (block adapters saved as they are; PEFT adapters as
+        `peft_save_merged` says, see `D3DTrainer.save_model`).
 
     Raises:
         FileExistsError: if `output_dir` is non-empty and neither resuming nor `overwrite`.
@@ -87,9 +135,15 @@ def train_drafter(script: D3DTrainScriptArguments, config: D3DTrainingConfig) ->
     dataset = load_training_dataset(script.data)
     if len(dataset) <= script.tau_holdout:
         raise ValueError(f"The dataset has {len(dataset)} rows; need more than --tau_holdout {script.tau_holdout}.")
+    if script.tau_holdout < 0:
+        raise ValueError(f"--tau_holdout must be >= 0, got {script.tau_holdout}.")
     train_rows = dataset.select(range(len(dataset) - script.tau_holdout))
-    held_out = dataset.select(range(len(dataset) - script.tau_holdout, len(dataset)))
-    tau_prompts = [torch.tensor([row["prompt_ids"]], dtype=torch.long) for row in held_out]
+    held_out = [dataset[i] for i in range(len(dataset) - script.tau_holdout, len(dataset))]
+    tau_prompts = (
+        [torch.tensor([_tau_prompt(row, tokenizer)], dtype=torch.long) for row in held_out]
+        if config.tau_eval_steps
+        else None
+    )
 
     if script.drafter:
         drafter = load_drafter(script.drafter, dtype=script.dtype)
@@ -113,7 +167,7 @@ def train_drafter(script: D3DTrainScriptArguments, config: D3DTrainingConfig) ->
         train_dataset=train_rows,
         processing_class=tokenizer,
         target=target,
-        tau_prompts=tau_prompts if config.tau_eval_steps else None,
+        tau_prompts=tau_prompts,
     )
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(str(output))
@@ -122,11 +176,18 @@ def train_drafter(script: D3DTrainScriptArguments, config: D3DTrainingConfig) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`d3d-hf train`: every `D3DTrainScriptArguments` and `D3DTrainingConfig` field as `--name value`."""
-    from transformers import HfArgumentParser
+    """`d3d-hf train`: every `D3DTrainScriptArguments` and `D3DTrainingConfig` field as `--name value` or
+    `--name-with-dashes value`, and `--config FILE.yaml` (`trl.TrlParser`; module docstring).
 
-    parser = HfArgumentParser((D3DTrainScriptArguments, D3DTrainingConfig), prog="d3d-hf train")
-    script, config = parser.parse_args_into_dataclasses(args=argv)
+    Raises:
+        ValueError, FileNotFoundError, FileExistsError: as `train_drafter` (the CLI prints them as one line).
+    """
+    import sys
+
+    from trl import TrlParser
+
+    parser = TrlParser((D3DTrainScriptArguments, D3DTrainingConfig), prog="d3d-hf train")
+    script, config = parser.parse_args_and_config(args=list(sys.argv[1:] if argv is None else argv))
     train_drafter(script, config)
     return 0
 

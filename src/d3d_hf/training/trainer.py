@@ -358,12 +358,14 @@ class D3DTrainer(SFTTrainer):
                 unadapted.save_pretrained(base_folder, tokenizer=tokenizer)
                 base = str(base_folder.resolve())
             config.base_model_name_or_path = base
-            peft_model.save_pretrained(output_dir)
+            from ..hub import is_generated_card, write_model_card
+
+            readme = Path(output_dir) / "README.md"
+            users_card = readme.exists() and not is_generated_card(readme)
+            peft_model.save_pretrained(output_dir)  # writes PEFT's generic card, which the drafter's replaces
             if tokenizer is not None:
                 tokenizer.save_pretrained(output_dir)
-            from ..hub import write_model_card
-
-            write_model_card(self.drafter, output_dir)
+            write_model_card(self.drafter, output_dir, overwrite=not users_card)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         return None
 
