@@ -13,8 +13,8 @@ from peft import LoraConfig
 from transformers import AutoModel
 
 from d3d_hf import D3DForDiffusionDrafting
-from d3d_hf.drafters import load_drafter
 from d3d_hf.cli import main
+from d3d_hf.drafters import load_drafter
 from d3d_hf.training import D3DDataCollator, D3DTrainer, D3DTrainingConfig, d3d_losses
 
 BLOCK = 4
@@ -205,7 +205,10 @@ def test_a_pretokenized_completion_row_is_the_d3d_data_row(target, answers):
 def test_other_trl_dataset_formats_train(target, answers, tmp_path, kind):
     if kind == "prompt_completion":
         rows = [
-            {"prompt": [{"role": "user", "content": _words(p)}], "completion": [{"role": "assistant", "content": _words(r)}]}
+            {
+                "prompt": [{"role": "user", "content": _words(p)}],
+                "completion": [{"role": "assistant", "content": _words(r)}],
+            }
             for p, r in answers[:64]
         ]
     else:
@@ -302,7 +305,9 @@ def test_peft_adapter_folder_loads_every_way(target, conversations, model_folder
 
     peft_model = PeftModel.from_pretrained(load_drafter(adapter["base_model_name_or_path"]), str(folder)).eval()
     with torch.no_grad():
-        torch.testing.assert_close(peft_model.base_model.model.draft_logits(ids, D3DCache()), want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            peft_model.base_model.model.draft_logits(ids, D3DCache()), want, rtol=1e-4, atol=1e-4
+        )
 
 
 def test_train_command_with_a_yaml_config_and_peft(model_folders, conversations, tmp_path):
@@ -363,7 +368,9 @@ def test_trainer_refuses_evaluation_prompts(target, evaluation_set, tmp_path):
     rows = [{"messages": [{"role": "user", "content": "t5 t6"}, {"role": "assistant", "content": "t7"}]}] * 3
     rows.append({"messages": [*leaked.messages, {"role": "assistant", "content": "t7"}]})
     with pytest.raises(ValueError, match=f"evaluation prompt '{leaked.id}'"):
-        D3DTrainer(_drafter(target), _config(tmp_path), train_dataset=Dataset.from_list(rows), processing_class=_tokenizer())
+        D3DTrainer(
+            _drafter(target), _config(tmp_path), train_dataset=Dataset.from_list(rows), processing_class=_tokenizer()
+        )
     by_id = Dataset.from_list([{"id": leaked.id, "prompt_ids": [5], "response_ids": [6]}])
     with pytest.raises(ValueError, match="never train"):
         D3DTrainer(_drafter(target), _config(tmp_path), train_dataset=by_id, processing_class=_tokenizer())

@@ -73,7 +73,9 @@ def _load_adapter_drafter(folder: str, dtype, device: str) -> D3DForDiffusionDra
     try:
         from peft import PeftModel
     except ImportError as err:  # pragma: no cover - peft is in the train extra
-        raise ValueError(f"{folder} holds a PEFT adapter: loading it needs peft (pip install 'd3d-hf[train]').") from err
+        raise ValueError(
+            f"{folder} holds a PEFT adapter: loading it needs peft (pip install 'd3d-hf[train]')."
+        ) from err
     config_file = os.path.join(folder, ADAPTER_CONFIG)
     try:
         with open(config_file, encoding="utf-8") as f:
