@@ -266,6 +266,40 @@ def test_two_processes_match_one_process_with_doubled_accumulation(tmp_path):
     assert two_run["param_sums"] == pytest.approx(one_run["param_sums"], rel=1e-4, abs=1e-4)
 
 
+@pytest.mark.slow
+def test_accelerate_launch_two_processes_match_one_process_with_doubled_accumulation(tmp_path):
+    """`accelerate launch --config_file examples/accelerate/multi_cpu.yaml` (2 CPU processes, gloo) gives the loss
+    curve and weights of 1 process with 2 gradient-accumulation steps (about 1 minute on 2 busy cores: marked slow)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    script = str(root / "tests" / "scripts" / "train_tiny.py")
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch"]
+    config = str(root / "examples" / "accelerate" / "multi_cpu.yaml")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    two = subprocess.run(
+        [*accelerate, "--config_file", config, script, "--per-device", "1", "--accum", "1",
+         "--out", str(tmp_path / "two.json"), "--output-dir", str(tmp_path / "two")],
+        capture_output=True, text=True, timeout=600, check=False, env=env,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = subprocess.run(
+        [sys.executable, script, "--per-device", "1", "--accum", "2", "--out", str(tmp_path / "one.json"),
+         "--output-dir", str(tmp_path / "one")],
+        capture_output=True, text=True, timeout=600, check=False, env=env,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    two_run = json.loads((tmp_path / "two.json").read_text())
+    one_run = json.loads((tmp_path / "one.json").read_text())
+    assert two_run["world_size"] == 2 and one_run["world_size"] == 1
+    assert len(two_run["loss"]) == len(one_run["loss"]) == 5
+    assert two_run["loss"] == pytest.approx(one_run["loss"], rel=1e-4)
+    assert two_run["param_sums"] == pytest.approx(one_run["param_sums"], rel=1e-4, abs=1e-4)
+
+
 def test_ar_loss_has_no_gradient_on_block_adapters(target, dataset):
     """Why the shipped recipe uses ar_loss_weight 0: with block adapters (gated to block positions) and a frozen
     shared path, the next-token loss on the clean stream does not depend on any trainable parameter, so every
