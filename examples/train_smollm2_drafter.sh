@@ -14,6 +14,8 @@ d3d-hf data --target smollm2-135m-instruct --prompts stdlib:400 --output "$DATA"
 
 # 2. Block adapters over the target's own 30 layers (the committed-context path stays the target's, so the
 #    first draft token stays exact); only the adapters and the mask embedding train and are saved.
+#    `d3d-hf train` is D3DTrainer on trl.SFTTrainer (TRL's parser: these flags can also go in a --config YAML file);
+#    with these flags it gives the losses of the earlier transformers.Trainer-based trainer step for step.
 d3d-hf train --target smollm2-135m-instruct --data "$DATA" --output_dir "$RUN" --dtype bfloat16 \
   --train_mode block_adapter --block_lora_rank 32 --block_lora_alpha 64 --learning_rate 5e-4 \
   --lr_scheduler_type cosine --warmup_steps 20 --max_steps "$STEPS" --per_device_train_batch_size 4 \

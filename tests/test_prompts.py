@@ -265,17 +265,35 @@ def test_load_prompt_sources_mixes_stdlib_and_files(tmp_path):
     assert len(load_prompt_sources(str(path))) == 4
 
 
-@pytest.mark.parametrize("spec", ["humaneval", "HumanEval:5", "stdlib:3,humaneval"])
+@pytest.mark.parametrize(
+    "spec", ["humaneval", "HumanEval:5", "stdlib:3,humaneval", "gsm8k", "mt-bench:2", "Vicuna-Bench", "stdlib:2,gsm8k"]
+)
 def test_load_prompt_sources_rejects_evaluation_sets(spec):
     with pytest.raises(ValueError, match="evaluation set"):
         load_prompt_sources(spec)
 
 
+@pytest.mark.parametrize("name", ["humaneval", "gsm8k", "mt-bench", "vicuna-bench"])
+def test_load_prompt_sources_rejects_evaluation_prompts_under_other_ids(tmp_path, name):
+    """A file that copies an evaluation prompt (its user turn word for word, or its raw text) under an id of its own
+    is refused, whichever evaluation set it comes from; the file's other prompts alone are accepted."""
+    leaked = load_prompts(name, limit=4)[3]
+    path = tmp_path / "copy.jsonl"
+    lines = [{"id": "mine-0", "prompt": "Write a haiku about rivers."}]
+    path.write_text(json.dumps(lines[0]) + "\n")
+    assert len(load_prompt_sources(str(path))) == 1
+    for copied in ({"id": "mine-1", "messages": leaked.messages}, {"id": "mine-2", "prompt": f"  {leaked.raw}\n"}):
+        path.write_text(json.dumps(lines[0]) + "\n" + json.dumps(copied) + "\n")
+        with pytest.raises(ValueError, match=f"evaluation prompt '{leaked.id}'"):
+            load_prompt_sources(str(path))
+
+
 def test_load_prompt_sources_rejects_evaluation_ids_duplicates_and_bad_counts(tmp_path):
     path = tmp_path / "leak.jsonl"
-    path.write_text(json.dumps({"id": "HumanEval/3", "prompt": "x"}) + "\n")
-    with pytest.raises(ValueError, match="evaluation prompt"):
-        load_prompt_sources(str(path))
+    for leaked_id in ("HumanEval/3", "gsm8k/7", "mt-bench/81", "vicuna-bench/2"):
+        path.write_text(json.dumps({"id": leaked_id, "prompt": "x"}) + "\n")
+        with pytest.raises(ValueError, match="evaluation prompt"):
+            load_prompt_sources(str(path))
     with pytest.raises(ValueError, match="unique"):
         load_prompt_sources("stdlib:2,stdlib:2")
     for bad in ("stdlib:0", "stdlib:x", "", "stdlib:2,,stdlib:3"):

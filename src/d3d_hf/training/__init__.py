@@ -1,13 +1,13 @@
-"""Training D3D drafters: `D3DTrainingConfig` + `D3DTrainer` on the transformers `Trainer` machinery.
+"""Training D3D drafters: `D3DTrainingConfig` + `D3DTrainer` on TRL (`trl.SFTConfig` + `trl.SFTTrainer`).
 
 One concept per module (every name is importable from `d3d_hf.training` itself):
 
-- `config`: `D3DTrainingConfig`, every `TrainingArguments` field plus the D3D objective's;
+- `config`: `D3DTrainingConfig`, every `trl.SFTConfig` field plus the D3D objective's;
 - `objective`: the objective (its docstring), `block_diffusion_attention_mask` and `d3d_losses`;
 - `collator`: `D3DDataCollator`, which batches rows and samples the noisy blocks;
 - `checkpoints`: `is_complete_checkpoint`, `last_complete_checkpoint` (never resume from a half-written save);
 - `callbacks`: the collator's epoch and `TauCallback` (tau measured during training);
-- `trainer`: `D3DTrainer`;
+- `trainer`: `D3DTrainer` (TRL datasets and PEFT; PEFT drafters saved merged or as an adapter folder);
 - `script`: the `d3d-hf train` command (`D3DTrainScriptArguments`, `load_training_dataset`, `train_drafter`,
   `main`).
 """

@@ -8,6 +8,9 @@ Objective (docs/DESIGN.md section 3; BD3-LM block-diffusion attention, arXiv 250
   predicts token `x[a+j+1]`, i.e. draft token `d_{j+1}`; its cross-entropy is weighted by
   `w_k = exp(-(k-1)/gamma)` with `k = j+1`, favouring early draft positions (targets given as clean tokens inside
   the block are not scored). The first draft token `d1` is the anchor's ordinary next-token prediction.
+- **Which tokens are learned.** The response tokens (`response_start` on), or, for TRL-prepared rows, the tokens
+  of the batch's `loss_mask` (TRL's `labels` not -100: completions, assistant turns): a next-token target, an anchor
+  (whose next token must be learned) and a scored block target are always such tokens.
 - **Auxiliary autoregressive loss.** `ar_loss_weight` times the next-token loss on the clean response tokens.
   With `block_loss_weight=0` it is the only loss and the noisy blocks are not run at all: the trainer then trains
   an ordinary autoregressive drafter (with `train_mode="full"` or `"peft"`; block adapters act only inside blocks),
