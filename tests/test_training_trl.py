@@ -226,6 +226,20 @@ def test_other_trl_dataset_formats_train(target, answers, tmp_path, kind):
     _assert_trains(trainer)
 
 
+def test_tau_prompts_of_trl_rows_end_before_the_last_answer():
+    from d3d_hf.training.script import _tau_prompt
+
+    tokenizer = _tokenizer()
+    chat = [{"role": "user", "content": "t5 t6"}, {"role": "assistant", "content": "t7"}]
+    chat += [{"role": "user", "content": "t8"}, {"role": "assistant", "content": "t9 t30"}]
+    assert _tau_prompt({"messages": chat}, tokenizer) == [5, 6, 1, 7, 2, 8, 1]
+    assert _tau_prompt({"prompt": chat[:1], "completion": chat[1:2]}, tokenizer) == [5, 6, 1]
+    assert _tau_prompt({"prompt": "t5 t6", "completion": " t7"}, tokenizer) == [5, 6]
+    assert _tau_prompt({"prompt_ids": [3, 4], "response_ids": [5]}, tokenizer) == [3, 4]
+    with pytest.raises(ValueError, match="--tau_eval_steps 0"):
+        _tau_prompt({"text": "t5"}, tokenizer)
+
+
 def test_config_refuses_what_the_objective_cannot_use(tmp_path):
     for option in ({"packing": True}, {"padding_free": True}, {"gradient_checkpointing": True}, {"loss_type": "dft"}):
         with pytest.raises(ValueError, match="does not support"):
@@ -322,12 +336,14 @@ def test_train_command_with_a_yaml_config_and_peft(model_folders, conversations,
         "init_block_size": BLOCK, "tau_holdout": 1, "train_mode": "peft", "peft_lora_rank": 4,
         "assistant_only_loss": True, "max_steps": 5, "per_device_train_batch_size": 4, "learning_rate": 5e-3,
         "logging_steps": 1, "save_strategy": "no", "use_cpu": True, "report_to": "none", "disable_tqdm": True,
-        "anchors_per_sequence": 3, "threads": 1,
+        "anchors_per_sequence": 3, "threads": 1, "tau_eval_steps": 2, "tau_eval_max_new_tokens": 6,
     }  # fmt: skip
     (tmp_path / "train.yaml").write_text(yaml.safe_dump(config))
     assert main(["train", "--config", str(tmp_path / "train.yaml"), "--max-steps", "2"]) == 0
     state = json.loads((tmp_path / "run" / "trainer_state.json").read_text())
     assert state["global_step"] == 2 and [h for h in state["log_history"] if "block_loss" in h]
+    # tau measured on the held-out row's prompt: its messages before the last answer, through the chat template
+    assert [h["tau"] for h in state["log_history"] if "tau" in h][0] >= 1.0
     drafter = load_drafter(str(tmp_path / "run"))
     _assert_lossless(tiny_target("llama", seed=4, sharpen=10.0), drafter)
     assert "D3DTrainer (trl.SFTTrainer" in (tmp_path / "run" / "README.md").read_text()

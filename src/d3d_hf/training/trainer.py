@@ -56,22 +56,22 @@ class D3DTrainer(SFTTrainer):
     Rows written by `d3d-hf data` (`prompt_ids`, `response_ids`: the target's exact generated ids) skip TRL's
     tokenization and train as before.
 
-    Args:
+    Args (the first six in the order of the earlier `transformers.Trainer`-based `D3DTrainer`; the rest by keyword):
         model (`D3DForDiffusionDrafting`): the drafter to train (block adapters are added for
             `train_mode="block_adapter"` when it has none, initialised from `args.seed`).
         args (`D3DTrainingConfig`): configuration.
-        data_collator (*optional*): defaults to a `D3DDataCollator` built from `args`.
         train_dataset (`datasets.Dataset` or `datasets.IterableDataset`): rows of `d3d-hf data`
             (`prompt_ids`, `response_ids`) or any dataset `trl.SFTTrainer` takes (`messages`; `prompt` +
             `completion`; a text field; `input_ids` with optional `labels` / `completion_mask` /
             `assistant_masks`). Refused if it holds a prompt of an evaluation set the bench knows
             (`d3d_hf.prompts.refuse_evaluation_rows`).
-        eval_dataset (*optional*): the same kinds, for `evaluate` (the loss of the D3D objective).
         processing_class (`PreTrainedTokenizerBase`, *optional*): the target's tokenizer (its pad id pads the
             batches; saved with checkpoints). Defaults to the tokenizer of the drafter's target or source folder
             when that is a local folder.
         target (`PreTrainedModel`, *optional*): the target, needed for tau evaluation.
         tau_prompts (`list[torch.LongTensor]`, *optional*): encoded held-out prompts `(1, seq_len)` for tau.
+        eval_dataset (*optional*): the same kinds as `train_dataset`, for `evaluate` (the loss of the D3D objective).
+        data_collator (*optional*): defaults to a `D3DDataCollator` built from `args`.
         peft_config (`peft.PeftConfig`, *optional*): PEFT adapters to train (`train_mode` becomes `"peft"`).
             Without one, `train_mode="peft"` uses LoRA of rank `peft_lora_rank` on the seven projections. The mask
             embedding is added to `modules_to_save` when the block loss is on (a new mask embedding must learn).
@@ -90,12 +90,13 @@ class D3DTrainer(SFTTrainer):
         self,
         model,
         args: D3DTrainingConfig,
-        data_collator=None,
         train_dataset=None,
-        eval_dataset=None,
         processing_class=None,
         target=None,
         tau_prompts=None,
+        *,
+        eval_dataset=None,
+        data_collator=None,
         peft_config=None,
         **kwargs,
     ):
