@@ -303,6 +303,9 @@ def test_peft_adapter_folder_loads_every_way(target, conversations, model_folder
     with torch.no_grad():
         want = trainer.drafter.draft_logits(ids, D3DCache())
     # 1. d3d_hf.load_drafter (and so d3d-hf bench / generate): the adapter merged into its base
+    import d3d_hf
+
+    assert d3d_hf.load_drafter is load_drafter
     loaded = load_drafter(str(folder))
     assert type(loaded) is D3DForDiffusionDrafting
     with torch.no_grad():

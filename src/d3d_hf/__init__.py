@@ -24,6 +24,16 @@ AutoConfig.register("d3d", D3DConfig, exist_ok=True)
 AutoModel.register(D3DConfig, D3DForDiffusionDrafting, exist_ok=True)
 install_generation_hook()
 
+
+def __getattr__(name: str):
+    """`d3d_hf.load_drafter` (`d3d_hf.drafters.load_drafter`), imported on first use."""
+    if name == "load_drafter":
+        from .drafters import load_drafter
+
+        return load_drafter
+    raise AttributeError(f"module 'd3d_hf' has no attribute {name!r}")
+
+
 __all__ = [
     "D3DCache",
     "D3DCandidateGenerator",

@@ -358,6 +358,8 @@ class D3DTrainer(SFTTrainer):
                 unadapted.__dict__.pop("forward", None)
                 unadapted.save_pretrained(base_folder, tokenizer=tokenizer)
                 base = str(base_folder.resolve())
+            elif os.path.isdir(base):
+                base = os.path.abspath(base)  # found from any working directory
             config.base_model_name_or_path = base
             from ..hub import is_generated_card, write_model_card
 
