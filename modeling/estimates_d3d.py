@@ -127,25 +127,36 @@ class CostCurve:
                 break
         return ys[lo] + (ys[hi] - ys[lo]) * (q - xs[lo]) / (xs[hi] - xs[lo])
 
-    def observe(self, q: int, seconds: float, weight: float = 0.2) -> None:
+    def observe(self, q: int, seconds: float, weight: float = 0.2, max_ratio: float | None = 1.5) -> None:
         """Updates the curve with one measured forward (a real round's timing).
 
-        An existing point moves by an exponential moving average, `new = (1 - weight) * old + weight * seconds`; a new
-        `q` becomes a point with value `seconds`.
+        The measurement is first clamped to `[c / max_ratio, c * max_ratio]` around the curve's current value `c =
+        self(q)`, so that one disturbed round (a page fault, another process taking a core) moves the curve by at most
+        `weight * (max_ratio - 1)` (10% with the defaults) while a lasting change is still followed within a few
+        rounds. Without the clamp, a rarely chosen row count pushed up by one slow round would stay too dear for good:
+        the policy stops choosing it, so no later round corrects it (seen in a recorded bfloat16 run). Then an
+        existing point moves by an exponential moving average, `new = (1 - weight) * old + weight * seconds`; a new
+        `q` becomes a point with the clamped value.
 
         Args:
             q (`int`): rows of the measured forward, >= 1.
             seconds (`float`): its wall time, finite and >= 0.
             weight (`float`, defaults to 0.2): weight of the new measurement, in (0, 1].
+            max_ratio (`float`, *optional*, defaults to 1.5): the clamp, >= 1; `None` takes the measurement as is.
 
         Raises:
-            ValueError: for a bad `q`, `seconds` or `weight`.
+            ValueError: for a bad `q`, `seconds`, `weight` or `max_ratio`.
         """
         q = self._check_rows(q)
         seconds = _check_seconds(seconds, "`seconds`")
         weight = float(weight)
         if not 0 < weight <= 1:
             raise ValueError(f"`weight` must be in (0, 1], got {weight!r}.")
+        if max_ratio is not None:
+            if not (math.isfinite(max_ratio) and max_ratio >= 1):
+                raise ValueError(f"`max_ratio` must be >= 1 (or None), got {max_ratio!r}.")
+            current = self(q)
+            seconds = min(max(seconds, current / max_ratio), current * max_ratio)
         old = self._points.get(q)
         self._points[q] = seconds if old is None else (1 - weight) * old + weight * seconds
         if old is None:

@@ -65,14 +65,26 @@ def test_cost_curve_interpolates_and_extrapolates():
 
 def test_cost_curve_observe_and_round_trip():
     curve = CostCurve({1: 1.0, 4: 4.0})
-    curve.observe(1, 2.0, weight=0.25)
+    curve.observe(1, 2.0, weight=0.25, max_ratio=None)
     assert curve(1) == pytest.approx(1.25)  # moving average at an existing point
-    curve.observe(2, 0.5)
+    curve.observe(2, 0.5, max_ratio=None)
     assert curve.points == {1: pytest.approx(1.25), 2: 0.5, 4: 4.0}  # a new q becomes a point
     assert curve(3) == pytest.approx(2.25)
     state = json.loads(json.dumps(curve.to_dict()))
     assert CostCurve.from_dict(state).points == curve.points
     assert curve.monotone().points == {1: pytest.approx(1.25), 2: pytest.approx(1.25), 4: 4.0}
+
+
+def test_cost_curve_observe_clamps_one_disturbed_round():
+    curve = CostCurve({1: 0.040, 6: 0.060})
+    curve.observe(6, 0.400)  # one round 6.7x slower than usual (another process took the core)
+    assert curve(6) == pytest.approx(0.060 * 1.1)  # moved by weight * (max_ratio - 1) = 10%, not by 113%
+    interpolated = curve(3)  # 0.040 + (0.066 - 0.040) * 2 / 5
+    curve.observe(3, 0.001)  # a new point starts from the measurement clamped around the interpolated value
+    assert curve.points[3] == pytest.approx(interpolated / 1.5)
+    for _ in range(30):  # a lasting change is followed
+        curve.observe(1, 0.080)
+    assert curve(1) == pytest.approx(0.080, rel=0.01)
 
 
 @pytest.mark.parametrize(
@@ -88,7 +100,7 @@ def test_cost_curve_rejects_bad_queries_and_observations():
     for q in (0, 0.5, -3, math.nan):
         with pytest.raises(ValueError):
             curve(q)
-    for args in ((0, 1.0), (1, -1.0), (1, math.inf), (1, 1.0, 0.0), (1, 1.0, 1.5)):
+    for args in ((0, 1.0), (1, -1.0), (1, math.inf), (1, 1.0, 0.0), (1, 1.0, 1.5), (1, 1.0, 0.2, 0.9)):
         with pytest.raises(ValueError):
             curve.observe(*args)
     with pytest.raises(ValueError):
@@ -391,13 +403,13 @@ def test_observe_round_learns_acceptance_and_costs():
     p = DraftPolicy(CostCurve({1: 1.0, 16: 1.0}), CostCurve({1: 1.0, 16: 1.0}), max_drafts=15, explore_every=None)
     decision = RoundDecision("drafter", num_masks=4, num_pending=3)
     assert decision.draft_rows == 7
-    p.observe_round(decision, num_sent=3, num_accepted=2, confidences=[0.9, 0.8, 0.7, 0.6], draft_seconds=2.0,
-                    verify_seconds=3.0)
+    p.observe_round(decision, num_sent=3, num_accepted=2, confidences=[0.9, 0.8, 0.7, 0.6], draft_seconds=1.4,
+                    verify_seconds=1.3)  # within CostCurve.observe's clamp (1.5x the curve's 1.0)
     assert p.calibrator.num_observations == 1
-    assert p.draft_curve.points[7] == 2.0  # a new point at the pass's rows
-    assert p.verify_curve.points[4] == 3.0  # num_sent + 1 rows
-    p.observe_round(decision, num_sent=3, num_accepted=2, verify_seconds=2.0)
-    assert p.verify_curve.points[4] == pytest.approx(0.8 * 3.0 + 0.2 * 2.0)
+    assert p.draft_curve.points[7] == 1.4  # a new point at the pass's rows
+    assert p.verify_curve.points[4] == 1.3  # num_sent + 1 rows
+    p.observe_round(decision, num_sent=3, num_accepted=2, verify_seconds=1.2)
+    assert p.verify_curve.points[4] == pytest.approx(0.8 * 1.3 + 0.2 * 1.2)
     p.observe_round(RoundDecision("lookup", num_lookup=5), num_sent=5, num_accepted=5, verify_seconds=1.5,
                     verify_rows=30)
     assert p.lookup_probability > 0.5 and p.verify_curve.points[30] == 1.5
