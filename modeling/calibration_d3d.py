@@ -29,7 +29,7 @@ from .policy_d3d import DraftPolicy
 logger = logging.getLogger(__name__)
 
 #: Version of the JSON files `CalibrationStore` writes; a file of another version is ignored (and replaced).
-CALIBRATION_FORMAT_VERSION = 1
+CALIBRATION_FORMAT_VERSION = 2  # 2: per-position lookup acceptance (LookupAcceptance)
 
 #: Environment variable that overrides the cache folder of `CalibrationStore`.
 CACHE_ENV = "D3D_HF_CACHE"
