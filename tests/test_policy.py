@@ -631,6 +631,18 @@ def test_calibration_store_rejects_unsafe_keys(tmp_path):
         CalibrationStore(str(tmp_path)).path("../escape")
 
 
+def test_calibration_store_that_cannot_write_warns_once(tmp_path, caplog):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder should be")
+    store = CalibrationStore(str(blocker / "cost_curves"))
+    with caplog.at_level("INFO", logger="d3d_hf.modeling.calibration_d3d"):
+        assert store.save("k1", {"a": 1}) is None and store.save("k2", {"a": 2}) is None
+        assert CalibrationStore(str(blocker / "cost_curves")).save("k1", {"a": 3}) is None
+    levels = [r.levelname for r in caplog.records if "Could not save" in r.getMessage()]
+    assert levels == ["WARNING", "INFO", "INFO"]
+    assert store.load("k2") == {"a": 2}  # kept in memory
+
+
 # ---- measure_cost_curves -------------------------------------------------------------------------------------------
 
 
