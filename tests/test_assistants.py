@@ -11,16 +11,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from d3d_hf.assistants import ASSISTANT_FILE, KNOWN_ASSISTANTS, is_layers_only, load_assistant, save_layers_only
 
 
-def _tied(num_layers: int, seed: int) -> LlamaForCausalLM:
+def _tied(num_layers: int, seed: int, hidden_size: int = 64, tie: bool = True) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie,
         eos_token_id=2,
     )
     return LlamaForCausalLM(config).eval()
@@ -63,33 +63,13 @@ def test_layers_only_refuses_what_it_cannot_rebuild(tmp_path):
     target = _tied(2, seed=0)
     with pytest.raises(ValueError, match="not my-target's"):
         save_layers_only(_tied(1, seed=1), tmp_path / "a", "my-target", target)  # its own embeddings
-    untied = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=97,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-        )
-    )
+    untied = _tied(1, seed=1, tie=False)
     with pytest.raises(ValueError, match="tied"):
         save_layers_only(untied, tmp_path / "b", "my-target", target)
     folder = save_layers_only(_assistant_of(target), tmp_path / "c", "my-target", target)
     with pytest.raises(FileExistsError):
         save_layers_only(_assistant_of(target), folder, "my-target", target)
-    wider = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=97,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-        )
-    )
+    wider = _tied(1, seed=1, hidden_size=32)
     with pytest.raises(ValueError, match="expects"):
         load_assistant(str(folder), target=wider)
     (folder / "model.safetensors").unlink()
