@@ -386,3 +386,25 @@ def test_hand_set_block_size_is_named_before_generate(pair):
             _refused(target, drafter, r"`block_size` must be a whole number \(int\) >= 1", random_prompt())
         finally:
             drafter.config.block_size = 4
+
+
+def test_validation_hook_is_idempotent_and_reversible(pair):
+    from transformers.generation import GenerationMixin
+
+    from d3d_hf import install_generation_hook, remove_generation_hook
+
+    install_generation_hook()
+    wrapped = GenerationMixin._validate_generation_mode
+    install_generation_hook()
+    assert GenerationMixin._validate_generation_mode is wrapped
+    target, drafter = pair
+    remove_generation_hook()
+    try:
+        assert not getattr(GenerationMixin._validate_generation_mode, "_d3d_generation_hook", False)
+        assert not getattr(GenerationMixin._get_candidate_generator, "_d3d_generation_hook", False)
+        with pytest.raises(RuntimeError, match="Assisted decoding requires a cache"):  # transformers' own error
+            _generate(target, drafter, random_prompt(), use_cache=False)
+    finally:
+        install_generation_hook()
+    assert getattr(GenerationMixin._validate_generation_mode, "_d3d_generation_hook", False)
+    _refused(target, drafter, "`use_cache=False`", random_prompt(), use_cache=False)
