@@ -160,6 +160,15 @@ def test_drafter_dependent_options_are_checked_before_loading(tiny_folders, no_m
             "--num-hypotheses 5 is more than the block",
         ),
         (bench + ["--methods", "target,d3d-async", "--worker-threads", "100000"], "--worker-threads 100000 is more"),
+        (bench + ["--block-size", "513"], "--block-size 513 is longer than the drafter's context (512 tokens"),
+        (
+            ["generate", "--drafter", drafter, "--prompt", "t5", "--block-size", "600"],
+            "--block-size 600 is longer than the drafter's context",
+        ),
+        (
+            ["push", "--drafter", drafter, "--repo-id", "me/x", "--results", str(tiny_folders / "none.json")],
+            "No results file at --results",
+        ),
         (
             ["prune", "--drafter", drafter, "--prompts", "stdlib:4", "--limit", "2", "--num-layers", "3", "--output"]
             + [str(tiny_folders / "prune-out")],

@@ -254,7 +254,8 @@ def _init_drafter(args) -> int:
 
 def _check_drafter_options(args) -> None:
     """Checks the options that depend on the drafter (its block size, its layers) against its config alone, before
-    any model loads: `--num-drafts`, `--num-hypotheses`, `--worker-threads` (bench) and `--num-layers` (prune).
+    any model loads: `--block-size` (against the drafter's context), `--num-drafts`, `--num-hypotheses`,
+    `--worker-threads` (bench) and `--num-layers` (prune).
 
     Raises:
         ValueError: naming the flag and the values it may take.
@@ -269,13 +270,21 @@ def _check_drafter_options(args) -> None:
                 f"--worker-threads {workers} is more than this machine's {most} CPU threads: pass at most {most}"
             )
     prune_layers = getattr(args, "num_layers", None) if args.command == "prune" else None
-    needs_config = (num_drafts not in (None, "adaptive", "full")) or hypotheses is not None or prune_layers is not None
+    given_block = getattr(args, "block_size", None)
+    needs_config = num_drafts not in (None, "adaptive", "full") or hypotheses is not None or prune_layers is not None
+    needs_config = needs_config or given_block is not None
     if not getattr(args, "drafter", None) or not needs_config:
         return
     from .drafters import load_drafter_config
 
     config = load_drafter_config(args.drafter)
-    block_size = getattr(args, "block_size", None) or config.block_size
+    if given_block is not None and given_block > config.max_position_embeddings:
+        raise ValueError(
+            f"--block-size {given_block} is longer than the drafter's context ({config.max_position_embeddings} "
+            "tokens, `max_position_embeddings`): pass a smaller --block-size (the drafter's own is "
+            f"{config.block_size})"
+        )
+    block_size = given_block or config.block_size
     origin = "--block-size" if getattr(args, "block_size", None) else f"the drafter's block size ({args.drafter})"
     if num_drafts not in (None, "adaptive", "full") and int(num_drafts) > block_size - 1:
         raise ValueError(
@@ -328,6 +337,7 @@ def _generate(args) -> int:
         raise ValueError(f"--temperature must be > 0, got {args.temperature} (for greedy decoding drop --do-sample)")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    _check_drafter_options(args)
     _, target, tokenizer, drafter = _load_pair(args)
     torch.manual_seed(args.seed)
     input_ids = encode_prompt(tokenizer, Prompt(id="cli", messages=[{"role": "user", "content": args.prompt}]))
@@ -536,6 +546,7 @@ def _cost_model(args) -> int:
         raise ValueError(f"--hit-rate values must be in [0, 1], got {args.hit_rate}")
     if any(t < 1 for t in args.tau):
         raise ValueError(f"--tau values must be >= 1 (tokens committed per target forward), got {args.tau}")
+    _check_drafter_options(args)
     target_name, target, _, drafter = _load_pair(args)
     cost = measure_cost_model(target, drafter, prefix_length=args.prefix_length, repeats=args.repeats)
     cost.settings.update(target=target_name, drafter=args.drafter)
@@ -660,10 +671,16 @@ def _push(args) -> int:
     if not isinstance(config, D3DConfig):
         raise ValueError(f"{folder} holds a `{config.model_type}` model, not a D3D drafter.")
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32
+    results = []  # read (and their files checked) before the drafter loads
+    for path in args.results:
+        if not Path(path).is_file():
+            raise FileNotFoundError(
+                f"No results file at --results {path}; write one with `d3d-hf bench --output FILE`."
+            )
+        results.append(result_from_benchmark(json.loads(Path(path).read_text()), hardware=args.hardware))
     drafter = load_drafter(str(folder), dtype=dtype)
     card = load_card_data(folder) or DrafterCardData()
-    for path in args.results:
-        card.results.append(result_from_benchmark(json.loads(Path(path).read_text()), hardware=args.hardware))
+    card.results.extend(results)
     card.target_model = args.target_model or card.target_model
     card.base_model = args.base_model or card.base_model
     card.datasets = card.datasets + [d for d in args.dataset if d not in card.datasets]
