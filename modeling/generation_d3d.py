@@ -23,7 +23,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from .calibration_d3d import CalibrationStore, policy_for
 from .configuration_d3d import validate_config
 from .drafting_d3d import D3DCache
-from .lookup_d3d import lookup_candidates
+from .lookup_d3d import lookup_match
 from .policy_d3d import DraftPolicy
 from .runtime_d3d import PackedPassWorker, RoundClock, default_worker_threads, timed
 
@@ -346,11 +346,16 @@ class D3DCandidateGenerator(CandidateGenerator):
             return self._asynchronous_candidates(input_ids, limit)
         if limit <= 0:
             return self._finish_round(input_ids, "target", [], [])
-        lookup = None
+        lookup, ngram_size = None, None
         if self.prompt_lookup:
-            lookup = lookup_candidates(input_ids, num_tokens=limit, eos_token_id=self.eos_token_ids or None)
+            lookup, ngram_size = lookup_match(input_ids, num_tokens=limit, eos_token_id=self.eos_token_ids or None)
         num_pending = cur_len - self.cache.get_seq_length()
-        decision = self.policy.decide(num_pending, 0 if lookup is None else lookup.shape[1], max_candidates=limit)
+        decision = self.policy.decide(
+            num_pending,
+            0 if lookup is None else lookup.shape[1],
+            max_candidates=limit,
+            lookup_ngram_size=ngram_size or None,
+        )
         drafts, scores, confidences, draft_seconds = [], [], None, None
         if decision.source == "lookup":
             drafts, scores = self._lookup_drafts(input_ids, lookup[0, : decision.num_lookup].tolist())

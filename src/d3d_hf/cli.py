@@ -115,7 +115,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--assistant",
         default=None,
-        help="autoregressive assistant (causal LM folder with the target's tokenizer; needed for method ar-assist)",
+        help="autoregressive assistant for method ar-assist: a shipped one (ar-smollm2-135m-instruct, the "
+        "equal-budget counterpart of the shipped drafter) or a causal LM folder with the target's tokenizer",
     )
     p.add_argument("--prompts", default="humaneval", help="humaneval, gsm8k, mt-bench, vicuna-bench or a JSONL file")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts (after --offset)")
@@ -369,11 +370,17 @@ def _check_output_file(output: Path | None, overwrite: bool, flag: str = "--outp
 
 
 def _load_assistant(name: str, dtype: str, tokenizer, target):
-    """Loads an autoregressive assistant and checks that it shares the target's tokenizer."""
+    """Loads an autoregressive assistant (`assistants.load_assistant`: a shipped name, a layers-only folder that takes
+    the target's embeddings, or any causal LM) and checks that it shares the target's tokenizer."""
+    from .assistants import is_layers_only, load_assistant, resolve_assistant
     from .targets import load_target
 
     try:
-        assistant, assistant_tokenizer = load_target(name, dtype=dtype)
+        folder = resolve_assistant(name)
+        if is_layers_only(folder):  # built around the target's own embeddings: its tokenizer is the target's
+            assistant, assistant_tokenizer = load_assistant(folder, target=target, dtype=dtype), tokenizer
+        else:
+            assistant, assistant_tokenizer = load_target(folder, dtype=dtype)
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot load --assistant {name!r}: {err}") from err
     vocab = assistant.config.get_text_config().vocab_size
@@ -416,7 +423,8 @@ def _bench(args) -> int:
         m, needed = missing
         if needed not in given:
             raise ValueError(f"method {m} needs a {needed}, which the command line cannot give")
-        raise ValueError(f"method {m} needs --{needed}")
+        hint = " (the shipped one: --assistant ar-smollm2-135m-instruct)" if needed == "assistant" else ""
+        raise ValueError(f"method {m} needs --{needed}{hint}")
     output = Path(args.output) if args.output else None
     _check_output_file(output, args.overwrite)
     output_dir = Path(args.output_dir) if args.output_dir else None
