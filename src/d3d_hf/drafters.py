@@ -89,6 +89,25 @@ def load_drafter(
         OSError: if a weights file is truncated or corrupt.
     """
     name_or_path = resolve_drafter(name_or_path)
+    load_drafter_config(name_or_path)
+    drafter = AutoModel.from_pretrained(name_or_path, dtype=parse_dtype(dtype))
+    return drafter.to(device).eval()
+
+
+def load_drafter_config(name_or_path: str) -> D3DConfig:
+    """Reads only a saved drafter's config (no weights): what `load_drafter` checks first, and what the CLI checks
+    its options against before any model loads.
+
+    Args:
+        name_or_path (`str`): as for `load_drafter`.
+
+    Returns:
+        The drafter's `D3DConfig` (validated: `D3DConfig.from_dict`).
+
+    Raises:
+        FileNotFoundError, ValueError: as `load_drafter` raises them for the folder and the config.
+    """
+    name_or_path = resolve_drafter(name_or_path)
     looks_local = os.path.sep in name_or_path or name_or_path.startswith(".") or os.path.exists(name_or_path)
     if looks_local:
         _check_local_drafter_folder(name_or_path)
@@ -104,8 +123,14 @@ def load_drafter(
             f"{name_or_path} holds a `{config.model_type}` model, not a D3D drafter (model_type 'd3d'); create one "
             "with `d3d-hf init-drafter`."
         )
-    drafter = AutoModel.from_pretrained(name_or_path, dtype=parse_dtype(dtype))
-    return drafter.to(device).eval()
+    return config
 
 
-__all__ = ["KNOWN_DRAFTERS", "D3DForDiffusionDrafting", "ensure_writable_dir", "load_drafter", "resolve_drafter"]
+__all__ = [
+    "KNOWN_DRAFTERS",
+    "D3DForDiffusionDrafting",
+    "ensure_writable_dir",
+    "load_drafter",
+    "load_drafter_config",
+    "resolve_drafter",
+]
