@@ -408,3 +408,10 @@ def test_validation_hook_is_idempotent_and_reversible(pair):
         install_generation_hook()
     assert getattr(GenerationMixin._validate_generation_mode, "_d3d_generation_hook", False)
     _refused(target, drafter, "`use_cache=False`", random_prompt(), use_cache=False)
+
+
+def test_model_constructor_checks_a_config_edited_after_it_was_built():
+    config = D3DConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config.block_size = 0
+    with pytest.raises(ValueError, match="block_size"):
+        D3DForDiffusionDrafting(config)
