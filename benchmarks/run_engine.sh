@@ -5,14 +5,14 @@
 # prompts 20-39, GSM8K and MT-Bench (10 each), 128 new tokens, float32 and bfloat16, 2 threads, shipped drafter.
 # Run on an otherwise idle machine. The adaptive engine calibrates on first use: the bench's warm-up call does it
 # (cached under $D3D_HF_CACHE, here a fresh folder per run so that the recorded run starts from a measurement).
-#   bash benchmarks/run_engine.sh
+#   bash benchmarks/run_engine.sh            # FORCE=1 reruns recorded cells; DTYPES=bfloat16 runs one dtype
 set -euo pipefail
 cd "$(dirname "$0")/.."
 THREADS=${THREADS:-2}
 NEW_TOKENS=${NEW_TOKENS:-128}
 OUT=benchmarks/results/engine
 export D3D_HF_CACHE=${D3D_HF_CACHE:-$(mktemp -d)}
-for dtype in float32 bfloat16; do
+for dtype in ${DTYPES:-float32 bfloat16}; do
   for spec in "humaneval 20 20" "gsm8k 0 10" "mt-bench 0 10"; do
     read -r set offset limit <<<"$spec"
     dir="$OUT/${set}_${dtype}"

@@ -27,3 +27,6 @@ d3d-hf train --target smollm2-135m-instruct --data "$DATA" --output_dir "$RUN" -
 
 # 3. Its committed-context path as a plain causal LM, usable by transformers' assisted generation.
 d3d-hf export-causal-lm --drafter "$RUN" --output "$ASSISTANT_DIR" --overwrite
+
+# 4. Optional (maintainers): ship it inside the package as `ar-smollm2-135m-instruct` (layers only, bfloat16).
+if [ -n "${SHIP:-}" ]; then python examples/ship_ar_assistant.py "$ASSISTANT_DIR"; fi

@@ -29,7 +29,7 @@ from .policy_d3d import DraftPolicy
 logger = logging.getLogger(__name__)
 
 #: Version of the JSON files `CalibrationStore` writes; a file of another version is ignored (and replaced).
-CALIBRATION_FORMAT_VERSION = 1
+CALIBRATION_FORMAT_VERSION = 2  # 2: per-position lookup acceptance (LookupAcceptance)
 
 #: Environment variable that overrides the cache folder of `CalibrationStore`.
 CACHE_ENV = "D3D_HF_CACHE"
@@ -162,15 +162,21 @@ def default_cache_dir() -> str:
 _MEMORY: dict[tuple[str, str], str] = {}
 
 
+#: Folders whose failed write was already warned about in this process.
+_WARNED_FOLDERS: set[str] = set()
+
+
 class CalibrationStore:
     """Learned policy states (cost curves, calibrator, lookup estimate) by `calibration_key`, in memory and on disk.
 
     Each key is one JSON file `<folder>/<key>.json`:
-    `{"format_version": 1, "key": ..., "parts": {...}, "saved_at": <unix seconds>, "state": {...}}`, written
+    `{"format_version": CALIBRATION_FORMAT_VERSION, "key": ..., "parts": {...}, "saved_at": <unix seconds>, "state":
+    {...}}`, written
     atomically (a temporary file in the same folder, then `os.replace`). Loading prefers the in-memory copy (a
     module-level dict keyed by folder and key), then the file. A file that cannot be read or parsed, or that has
     another `format_version` or key, is ignored (and replaced by the next `save`): never an error. A failed write
-    warns through `logging` and returns `None`: calibration is an optimisation, never a reason to stop decoding.
+    warns through `logging` (once per folder and process; later failures are logged at INFO) and returns `None`:
+    calibration is an optimisation, never a reason to stop decoding.
 
     Args:
         folder (`str`, *optional*): defaults to `default_cache_dir()` (resolved when the store is created).
@@ -248,7 +254,9 @@ class CalibrationStore:
                 json.dump(record, f, indent=1)
             os.replace(tmp, path)
         except OSError as err:
-            logger.warning("Could not save the calibration to %s: %s", path, err)
+            log = logger.info if self.folder in _WARNED_FOLDERS else logger.warning
+            _WARNED_FOLDERS.add(self.folder)
+            log("Could not save the calibration to %s: %s (decoding goes on; it is kept in memory)", path, err)
             if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
             return None

@@ -3,7 +3,13 @@
 Part of the self-contained remote-code bundle: imports only the public transformers API.
 """
 
+import math
+from collections.abc import Mapping
+from typing import Any
+
 from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 DEFAULT_BLOCK_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: Fields a saved config (`config.json`) must hold: their defaults would silently build a different drafter
@@ -24,6 +30,262 @@ REQUIRED_CONFIG_FIELDS = (
     "block_lora_rank",
     "shares_target_weights",
 )
+
+
+#: Keys each non-default rope type reads from `rope_parameters` (transformers' `ROPE_INIT_FUNCTIONS`); `rope_theta`
+#: is required for every type.
+_ROPE_REQUIRED_KEYS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "longrope": ("short_factor", "long_factor"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+#: Whole-number fields: (smallest allowed value, an example value for the message). `None` means "the default" for
+#: `num_key_value_heads` and `head_dim` (see `D3DConfig`).
+_WHOLE_NUMBER_FIELDS = {
+    "vocab_size": (1, "the target's `config.vocab_size`"),
+    "hidden_size": (1, "576"),
+    "intermediate_size": (1, "1536"),
+    "num_hidden_layers": (1, "30"),
+    "num_attention_heads": (1, "9"),
+    "num_key_value_heads": (1, "a divisor of `num_attention_heads`, or None for `num_attention_heads`"),
+    "head_dim": (2, "an even number such as 64, or None for `hidden_size // num_attention_heads`"),
+    "max_position_embeddings": (1, "8192"),
+    "block_size": (1, "16 (the default)"),
+    "block_lora_rank": (0, "0 (no block adapters) or a rank such as 32"),
+}
+_BOOL_FIELDS = ("attention_bias", "mlp_bias", "use_qk_norm", "tie_word_embeddings", "shares_target_weights")
+_OPTIONAL_STR_FIELDS = ("source_model", "target_model")
+#: Every field `validate_config` checks (the arguments of `D3DConfig.__init__`).
+_ALL_FIELDS = (
+    *_WHOLE_NUMBER_FIELDS,
+    *_BOOL_FIELDS,
+    *_OPTIONAL_STR_FIELDS,
+    "mask_token_id",
+    "source_layer_ids",
+    "pruned_layer_ids",
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_parameters",
+    "block_lora_alpha",
+    "block_lora_modules",
+    "initializer_range",
+    "attention_dropout",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
+
+
+def _config_error(name: str, requirement: str, value: Any, fix: str) -> ValueError:
+    return ValueError(
+        f"D3D drafter config: `{name}` must be {requirement}, got {value!r} ({type(value).__name__}). {fix} (in "
+        f"`D3DConfig(...)`, `from_pretrained(..., {name}=...)`, config.json or `drafter.config.{name}`)."
+    )
+
+
+def _is_whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_id_list(name: str, value: Any, num_layers: int, distinct: bool) -> None:
+    if value is None:
+        return
+    if not isinstance(value, (list, tuple)) or not all(_is_whole(i) and i >= 0 for i in value):
+        raise _config_error(
+            name, "None or a list of non-negative layer indices (ints)", value, f"Set `{name}` to a list such as [0, 1]"
+        )
+    if len(value) != num_layers:
+        raise ValueError(
+            f"D3D drafter config: `{name}` has {len(value)} entries but `num_hidden_layers` is {num_layers}: give "
+            f"one index per drafter layer (or change `num_hidden_layers` to {len(value)})."
+        )
+    if distinct and len(set(value)) != len(value):
+        raise _config_error(name, "a list of distinct layer indices", value, f"Remove the repeated entries of `{name}`")
+
+
+def validate_config(config: PretrainedConfig | Mapping[str, Any]) -> None:
+    """Checks every field of a D3D drafter config: types, ranges and the combinations that must agree.
+
+    The one validation of the drafter's configuration, called wherever values enter: `D3DConfig(...)` (on the raw
+    arguments, before any default is derived from them), `D3DConfig.from_dict` / `from_pretrained` (after keyword
+    overrides such as `from_pretrained(dir, block_size=8)` are applied), and at the start of every `generate` call
+    with the drafter (for fields set by hand, such as `drafter.config.block_size = 8`).
+
+    Args:
+        config (`D3DConfig` or `Mapping[str, Any]`): a config, or the constructor's keyword arguments, where `None`
+            for `num_key_value_heads`, `head_dim`, `rope_parameters` and `block_lora_modules` means the default.
+            Fields absent from a mapping are not checked.
+
+    Raises:
+        ValueError: naming the first invalid field (in backticks, e.g. `` `block_size` ``) and what to change it to.
+            Whole-number fields must be `int` (not `bool`, `float` or `str`): `vocab_size`, `hidden_size`,
+            `intermediate_size`, `num_hidden_layers`, `num_attention_heads`, `max_position_embeddings`, `block_size`
+            >= 1, `num_key_value_heads` >= 1 and dividing `num_attention_heads`, `head_dim` even and >= 2,
+            `block_lora_rank` >= 0; `block_size` at most `max_position_embeddings`; `mask_token_id` None or an int in
+            `[0, vocab_size)`; `source_layer_ids` / `pruned_layer_ids` None or one non-negative int per layer
+            (`pruned_layer_ids` distinct); `hidden_act` a transformers activation name; `rms_norm_eps` a finite
+            number > 0; `rope_parameters` a dict with a known `rope_type`, a finite `rope_theta` > 0 and the keys its
+            type reads; the flags (`attention_bias`, `mlp_bias`, `use_qk_norm`, `tie_word_embeddings`,
+            `shares_target_weights`) bools; `block_lora_alpha` a finite number > 0; `block_lora_modules` None or a
+            non-empty list of distinct names from `DEFAULT_BLOCK_LORA_MODULES`; `initializer_range` a finite number
+            >= 0; `attention_dropout` a number in `[0, 1)`; `source_model` / `target_model` None or a str;
+            `bos_token_id` / `pad_token_id` None or an int, `eos_token_id` None, an int or a list of ints.
+    """
+    if isinstance(config, Mapping):
+        present = dict(config)
+    else:
+        present = {name: getattr(config, name) for name in _ALL_FIELDS if hasattr(config, name)}
+
+    def given(name: str) -> bool:
+        return name in present
+
+    for name, (low, example) in _WHOLE_NUMBER_FIELDS.items():
+        if not given(name):
+            continue
+        value = present[name]
+        if value is None and name in ("num_key_value_heads", "head_dim"):
+            continue
+        if not _is_whole(value) or value < low:
+            raise _config_error(name, f"a whole number (int) >= {low}", value, f"Set `{name}` to {example}")
+    heads = present.get("num_attention_heads")
+    kv_heads = present.get("num_key_value_heads")
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        raise ValueError(
+            f"D3D drafter config: `num_attention_heads` ({heads}) must be a multiple of `num_key_value_heads` "
+            f"({kv_heads}); set `num_key_value_heads` to a divisor of {heads} (or None for {heads})."
+        )
+    head_dim = present.get("head_dim")
+    derived = head_dim is None and heads is not None and given("hidden_size")
+    if derived:
+        head_dim = present["hidden_size"] // heads
+    if head_dim is not None and (head_dim < 2 or head_dim % 2):
+        source = f" (`head_dim=None`: `hidden_size // num_attention_heads` = {present['hidden_size']} // {heads})"
+        raise ValueError(
+            f"D3D drafter config: `head_dim` must be even and >= 2 (rotary embeddings rotate pairs of dimensions), got "
+            f"{head_dim}{source if derived else ''}. Set `head_dim` to an even number such as 64"
+            f"{', or change `hidden_size` / `num_attention_heads`' if derived else ''}."
+        )
+    if (
+        given("block_size")
+        and given("max_position_embeddings")
+        and present["block_size"] > present["max_position_embeddings"]
+    ):
+        raise ValueError(
+            f"D3D drafter config: `block_size` ({present['block_size']}) is larger than `max_position_embeddings` "
+            f"({present['max_position_embeddings']}): a draft block must fit in the drafter's context. Lower "
+            "`block_size` (16 is the default)."
+        )
+    if given("mask_token_id") and present["mask_token_id"] is not None:
+        mask, vocab = present["mask_token_id"], present.get("vocab_size")
+        if not _is_whole(mask) or mask < 0 or (vocab is not None and mask >= vocab):
+            raise _config_error(
+                "mask_token_id",
+                f"None or an int in [0, `vocab_size`) = [0, {vocab}) (a spare id of the vocabulary)",
+                mask,
+                "Use a spare id of the vocabulary, or `mask_token_id=None` for a separate learned mask embedding",
+            )
+    layers = present.get("num_hidden_layers")
+    if layers is not None:
+        for name, distinct in (("source_layer_ids", False), ("pruned_layer_ids", True)):
+            if given(name):
+                _check_id_list(name, present[name], layers, distinct)
+    if given("hidden_act") and (not isinstance(present["hidden_act"], str) or present["hidden_act"] not in ACT2FN):
+        raise _config_error(
+            "hidden_act",
+            "the name of a transformers activation",
+            present["hidden_act"],
+            f'Set `hidden_act` to one of {sorted(ACT2FN)[:8]}... ("silu" for Llama/Qwen3)',
+        )
+    if given("rms_norm_eps") and not (_is_real(present["rms_norm_eps"]) and present["rms_norm_eps"] > 0):
+        raise _config_error(
+            "rms_norm_eps", "a finite number > 0", present["rms_norm_eps"], "Set `rms_norm_eps` to 1e-5"
+        )
+    if given("rope_parameters") and present["rope_parameters"] is not None:
+        _check_rope_parameters(present["rope_parameters"])
+    for name in _BOOL_FIELDS:
+        if given(name) and not isinstance(present[name], bool):
+            raise _config_error(name, "True or False (a bool)", present[name], f"Set `{name}` to True or False")
+    if given("block_lora_alpha") and not (_is_real(present["block_lora_alpha"]) and present["block_lora_alpha"] > 0):
+        raise _config_error(
+            "block_lora_alpha",
+            "a finite number > 0 (adapter scale alpha / rank)",
+            present["block_lora_alpha"],
+            "Set `block_lora_alpha` to 16.0 (the default) or twice the rank",
+        )
+    if given("block_lora_modules") and present["block_lora_modules"] is not None:
+        modules = present["block_lora_modules"]
+        allowed = list(DEFAULT_BLOCK_LORA_MODULES)
+        if (
+            not isinstance(modules, (list, tuple))
+            or not modules
+            or not all(isinstance(m, str) and m in allowed for m in modules)
+            or len(set(modules)) != len(modules)
+        ):
+            raise _config_error(
+                "block_lora_modules",
+                f"None (all seven) or a non-empty list of distinct names from {allowed}",
+                modules,
+                "Set `block_lora_modules` to such a list (or `block_lora_rank=0` for no adapters)",
+            )
+    if given("initializer_range") and not (
+        _is_real(present["initializer_range"]) and present["initializer_range"] >= 0
+    ):
+        raise _config_error(
+            "initializer_range", "a finite number >= 0", present["initializer_range"], "Set `initializer_range` to 0.02"
+        )
+    dropout = present.get("attention_dropout", 0.0)
+    if not (_is_real(dropout) and 0 <= dropout < 1):
+        raise _config_error("attention_dropout", "a number in [0, 1)", dropout, "Set `attention_dropout` to 0.0")
+    for name in _OPTIONAL_STR_FIELDS:
+        if given(name) and present[name] is not None and not isinstance(present[name], str):
+            raise _config_error(name, "None or a str (a model name or path)", present[name], f"Set `{name}` to a name")
+    for name in ("bos_token_id", "pad_token_id", "eos_token_id"):
+        value = present.get(name)
+        ids = value if name == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
+        if value is not None and not all(_is_whole(i) for i in ids):
+            kind = "None, an int or a list of ints" if name == "eos_token_id" else "None or an int"
+            raise _config_error(name, kind, value, f"Set `{name}` to the target's token id")
+
+
+def _check_rope_parameters(rope: Any) -> None:
+    known = sorted({"default", *ROPE_INIT_FUNCTIONS})
+    if not isinstance(rope, Mapping):
+        raise _config_error(
+            "rope_parameters",
+            "a dict such as {'rope_type': 'default', 'rope_theta': 10000.0}",
+            rope,
+            "Set `rope_parameters` to the target's `config.rope_parameters`",
+        )
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in known:
+        raise _config_error(
+            "rope_parameters",
+            f"a dict whose 'rope_type' is one of {known}",
+            rope,
+            "Set `rope_parameters['rope_type']` to the target's rope type",
+        )
+    theta = rope.get("rope_theta")
+    if not (_is_real(theta) and theta > 0):
+        raise _config_error(
+            "rope_parameters",
+            "a dict with a finite 'rope_theta' > 0",
+            rope,
+            "Set `rope_parameters['rope_theta']` to the target's rope theta (e.g. 10000.0)",
+        )
+    missing = [key for key in _ROPE_REQUIRED_KEYS.get(rope_type, ()) if rope.get(key) is None]
+    if missing:
+        raise _config_error(
+            "rope_parameters",
+            f"a dict with the keys rope type {rope_type!r} reads ({missing} missing)",
+            rope,
+            f"Add {missing} to `rope_parameters` (as in the target's config)",
+        )
 
 
 class D3DConfig(PretrainedConfig):
@@ -105,9 +367,11 @@ class D3DConfig(PretrainedConfig):
             Dropout on attention probabilities during training.
 
     Raises:
-        ValueError: if `block_size < 1`, the heads do not divide evenly, `source_layer_ids` has the wrong length,
-            or `mask_token_id` is outside the vocabulary; from `from_dict` / `from_pretrained`, if the saved config
-            lacks one of `REQUIRED_CONFIG_FIELDS`.
+        ValueError: from `validate_config`, naming the field and what to change, for any field of the wrong type
+            (whole numbers must be `int`, flags `bool`) or out of range (`block_size < 1`, heads that do not divide
+            evenly, an odd `head_dim`, `source_layer_ids` of the wrong length, `mask_token_id` outside the
+            vocabulary, an unknown `hidden_act` or `rope_type`, ...); from `from_dict` / `from_pretrained`, the same
+            for keyword overrides, and if the saved config lacks one of `REQUIRED_CONFIG_FIELDS`.
 
     Example:
 
@@ -155,29 +419,19 @@ class D3DConfig(PretrainedConfig):
         pad_token_id: int | None = None,
         **kwargs,
     ):
+        if rope_parameters is None:
+            rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta", 10000.0)}
+        elif isinstance(rope_parameters, Mapping) and "rope_theta" not in rope_parameters:
+            # a theta given next to the dict (older configs), else transformers' default, as its `__post_init__` does
+            rope_parameters = {**rope_parameters, "rope_theta": kwargs.pop("rope_theta", 10000.0)}
+        arguments = dict(locals())
+        validate_config({name: arguments[name] for name in _ALL_FIELDS})  # before any default is derived from them
         if num_key_value_heads is None:
             num_key_value_heads = num_attention_heads
         if head_dim is None:
             head_dim = hidden_size // num_attention_heads
-        if rope_parameters is None:
-            rope_parameters = {"rope_type": "default", "rope_theta": float(kwargs.pop("rope_theta", 10000.0))}
-        if int(block_size) < 1:
-            raise ValueError(f"`block_size` must be >= 1, got {block_size}.")
-        if num_attention_heads % num_key_value_heads != 0:
-            raise ValueError(
-                f"`num_attention_heads` ({num_attention_heads}) must be a multiple of `num_key_value_heads` "
-                f"({num_key_value_heads})."
-            )
-        if mask_token_id is not None and not 0 <= int(mask_token_id) < vocab_size:
-            raise ValueError(
-                f"`mask_token_id` {mask_token_id} is outside the vocabulary (size {vocab_size}); use a spare id "
-                "of the vocabulary or `mask_token_id=None` for a separate learned mask embedding."
-            )
-        if source_layer_ids is not None and len(source_layer_ids) != num_hidden_layers:
-            raise ValueError(
-                f"`source_layer_ids` has {len(source_layer_ids)} entries but `num_hidden_layers` is "
-                f"{num_hidden_layers}: give one source index per drafter layer."
-            )
+        rope_parameters = dict(rope_parameters)
+        rope_parameters["rope_theta"] = float(rope_parameters["rope_theta"])
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -188,7 +442,7 @@ class D3DConfig(PretrainedConfig):
         self.hidden_act = hidden_act
         self.max_position_embeddings = max_position_embeddings
         self.rms_norm_eps = rms_norm_eps
-        self.rope_parameters = dict(rope_parameters)
+        self.rope_parameters = rope_parameters
         self.attention_bias = attention_bias
         self.mlp_bias = mlp_bias
         self.use_qk_norm = use_qk_norm
@@ -196,21 +450,11 @@ class D3DConfig(PretrainedConfig):
         self.mask_token_id = mask_token_id
         self.source_model = source_model
         self.source_layer_ids = list(source_layer_ids) if source_layer_ids is not None else None
-        if pruned_layer_ids is not None and len(pruned_layer_ids) != num_hidden_layers:
-            raise ValueError(
-                f"`pruned_layer_ids` has {len(pruned_layer_ids)} entries but `num_hidden_layers` is "
-                f"{num_hidden_layers}: give one index per drafter layer."
-            )
         self.pruned_layer_ids = list(pruned_layer_ids) if pruned_layer_ids is not None else None
         self.target_model = target_model
         self.block_lora_rank = int(block_lora_rank)
         self.block_lora_alpha = float(block_lora_alpha)
-        self.block_lora_modules = list(block_lora_modules or DEFAULT_BLOCK_LORA_MODULES)
-        unknown = sorted(set(self.block_lora_modules) - set(DEFAULT_BLOCK_LORA_MODULES))
-        if unknown:
-            raise ValueError(f"Unknown `block_lora_modules` {unknown}; choose from {list(DEFAULT_BLOCK_LORA_MODULES)}.")
-        if self.block_lora_rank < 0:
-            raise ValueError(f"`block_lora_rank` must be >= 0, got {block_lora_rank}.")
+        self.block_lora_modules = list(DEFAULT_BLOCK_LORA_MODULES if block_lora_modules is None else block_lora_modules)
         self.shares_target_weights = bool(shares_target_weights)
         self.initializer_range = initializer_range
         self.attention_dropout = attention_dropout
@@ -228,7 +472,8 @@ class D3DConfig(PretrainedConfig):
         checking that the dict holds every field of `REQUIRED_CONFIG_FIELDS` (given here or as a keyword argument).
 
         Raises:
-            ValueError: naming the missing fields.
+            ValueError: naming the missing fields, or (`validate_config`) a field whose value, from the dict or from a
+                keyword override such as `from_pretrained(dir, block_size=0)`, is of the wrong type or out of range.
         """
         present = set(config_dict) | set(kwargs)
         if "rope_theta" in present:  # the pre-transformers-5 spelling of the rope parameters
@@ -241,7 +486,9 @@ class D3DConfig(PretrainedConfig):
                 "values the drafter was built with, or save the drafter again with `save_pretrained` (it writes "
                 "every field)."
             )
-        return super().from_dict(config_dict, **kwargs)
+        loaded = super().from_dict(config_dict, **kwargs)
+        validate_config(loaded[0] if isinstance(loaded, tuple) else loaded)  # keyword overrides are set after __init__
+        return loaded
 
 
-__all__ = ["DEFAULT_BLOCK_LORA_MODULES", "REQUIRED_CONFIG_FIELDS", "D3DConfig"]
+__all__ = ["DEFAULT_BLOCK_LORA_MODULES", "REQUIRED_CONFIG_FIELDS", "D3DConfig", "validate_config"]

@@ -127,25 +127,36 @@ class CostCurve:
                 break
         return ys[lo] + (ys[hi] - ys[lo]) * (q - xs[lo]) / (xs[hi] - xs[lo])
 
-    def observe(self, q: int, seconds: float, weight: float = 0.2) -> None:
+    def observe(self, q: int, seconds: float, weight: float = 0.2, max_ratio: float | None = 1.5) -> None:
         """Updates the curve with one measured forward (a real round's timing).
 
-        An existing point moves by an exponential moving average, `new = (1 - weight) * old + weight * seconds`; a new
-        `q` becomes a point with value `seconds`.
+        The measurement is first clamped to `[c / max_ratio, c * max_ratio]` around the curve's current value `c =
+        self(q)`, so that one disturbed round (a page fault, another process taking a core) moves the curve by at most
+        `weight * (max_ratio - 1)` (10% with the defaults) while a lasting change is still followed within a few
+        rounds. Without the clamp, a rarely chosen row count pushed up by one slow round would stay too dear for good:
+        the policy stops choosing it, so no later round corrects it (seen in a recorded bfloat16 run). Then an
+        existing point moves by an exponential moving average, `new = (1 - weight) * old + weight * seconds`; a new
+        `q` becomes a point with the clamped value.
 
         Args:
             q (`int`): rows of the measured forward, >= 1.
             seconds (`float`): its wall time, finite and >= 0.
             weight (`float`, defaults to 0.2): weight of the new measurement, in (0, 1].
+            max_ratio (`float`, *optional*, defaults to 1.5): the clamp, >= 1; `None` takes the measurement as is.
 
         Raises:
-            ValueError: for a bad `q`, `seconds` or `weight`.
+            ValueError: for a bad `q`, `seconds`, `weight` or `max_ratio`.
         """
         q = self._check_rows(q)
         seconds = _check_seconds(seconds, "`seconds`")
         weight = float(weight)
         if not 0 < weight <= 1:
             raise ValueError(f"`weight` must be in (0, 1], got {weight!r}.")
+        if max_ratio is not None:
+            if not (math.isfinite(max_ratio) and max_ratio >= 1):
+                raise ValueError(f"`max_ratio` must be >= 1 (or None), got {max_ratio!r}.")
+            current = self(q)
+            seconds = min(max(seconds, current / max_ratio), current * max_ratio)
         old = self._points.get(q)
         self._points[q] = seconds if old is None else (1 - weight) * old + weight * seconds
         if old is None:
@@ -436,9 +447,153 @@ class AcceptanceCalibrator:
         return out
 
 
+class LookupAcceptance:
+    r"""
+    Acceptance of prompt-lookup tokens by their position in the copied span and by the size of the n-gram that
+    matched (our design, d3d-hf docs/DESIGN.md section 9).
+
+    A lookup span is copied text. Once its first tokens are accepted the text is usually being repeated, so a later
+    token is accepted more often than the first one: one geometric rate undervalues long spans and cuts rounds short.
+    And a match on a longer suffix n-gram is more reliable than a one-token match. For position `j` (1-based) of a
+    span, and matched n-gram size `n`:
+
+        q_j   = (A_j   + s * q_{j-1}) / (N_j   + s),   q_0 = prior          (pooled over n-gram sizes)
+        q_n,j = (A_n,j + s * q_j)     / (N_n,j + s)                         (matches of size n)
+
+    where `N` counts rounds that reached position `j` (tokens `1..j-1` accepted) and `A` those that also accepted
+    token `j`: `q` is the probability that token `j` is accepted given that the ones before it were (as
+    `expected_tokens` takes it). Each position's prior is the estimate at the position before it, so with nothing
+    observed every position has `prior` (a geometric model), and a deep position seen rarely borrows from its
+    neighbour instead of from a fixed guess. Counts fade by a factor `1 - 1 / memory` per observed round.
+
+    Args:
+        prior (`float`, defaults to 0.5): prior acceptance of the first token, in [0, 1].
+        prior_strength (`float`, defaults to 4.0): pseudo-observations `s` of each prior, > 0.
+        memory (`float`, *optional*, defaults to 64.0): rounds over which counts fade (> 1); `None` keeps them.
+
+    Raises:
+        ValueError: for out-of-range arguments.
+    """
+
+    def __init__(self, prior: float = 0.5, prior_strength: float = 4.0, memory: float | None = 64.0) -> None:
+        if not (math.isfinite(prior) and 0 <= prior <= 1) or not (math.isfinite(prior_strength) and prior_strength > 0):
+            raise ValueError(f"`prior` must be in [0, 1] and `prior_strength` > 0, got {prior!r}, {prior_strength!r}.")
+        if memory is not None and not (math.isfinite(memory) and memory > 1):
+            raise ValueError(f"`memory` must be > 1 (or None), got {memory!r}.")
+        self.prior = float(prior)
+        self.prior_strength = float(prior_strength)
+        self.memory = None if memory is None else float(memory)
+        # key 0: pooled; key n >= 1: matches of n-gram size n. Value: (accepted per position, reached per position).
+        self._counts: dict[int, tuple[list[float], list[float]]] = {}
+        self.num_observations = 0
+
+    @staticmethod
+    def _check_ngram(ngram_size: int | None) -> int:
+        if ngram_size is None:
+            return 0
+        if not _is_int(ngram_size) or ngram_size < 1:
+            raise ValueError(f"`ngram_size` must be an int >= 1 or None, got {ngram_size!r}.")
+        return ngram_size
+
+    def _rates(self, key: int, priors: list[float]) -> list[float]:
+        accepted, reached = self._counts.get(key, ([], []))
+        s, out, prev = self.prior_strength, [], self.prior
+        for j, prior in enumerate(priors):
+            prior = prev if key == 0 else prior
+            a = accepted[j] if j < len(accepted) else 0.0
+            n = reached[j] if j < len(reached) else 0.0
+            prev = (a + s * prior) / (n + s)
+            out.append(prev)
+        return out
+
+    def probabilities(self, num_tokens: int, ngram_size: int | None = None) -> list[float]:
+        """`q_1 .. q_num_tokens` for a span from a match of `ngram_size` (pooled over sizes when `None`).
+
+        Args:
+            num_tokens (`int`): positions wanted, >= 0.
+            ngram_size (`int`, *optional*): the size of the matched n-gram (`lookup_d3d.lookup_match`).
+
+        Returns:
+            `list[float]` of length `num_tokens`, each in [0, 1].
+
+        Raises:
+            ValueError: for a negative `num_tokens` or a bad `ngram_size`.
+        """
+        if not _is_int(num_tokens) or num_tokens < 0:
+            raise ValueError(f"`num_tokens` must be an int >= 0, got {num_tokens!r}.")
+        key = self._check_ngram(ngram_size)
+        pooled = self._rates(0, [0.0] * num_tokens)
+        return pooled if key == 0 else self._rates(key, pooled)
+
+    def observe(self, num_sent: int, num_accepted: int, ngram_size: int | None = None) -> None:
+        """Learns from one verified lookup round: tokens `1..num_accepted` accepted, the next one (if sent) rejected.
+
+        Args:
+            num_sent (`int`): lookup tokens sent, >= 0 (a round with none is ignored).
+            num_accepted (`int`): of them accepted, in `[0, num_sent]`.
+            ngram_size (`int`, *optional*): the size of the n-gram that matched.
+
+        Raises:
+            ValueError: for inconsistent counts or a bad `ngram_size`.
+        """
+        if not _is_int(num_sent) or not _is_int(num_accepted) or not 0 <= num_accepted <= num_sent:
+            raise ValueError(f"Need ints 0 <= num_accepted <= num_sent, got {num_accepted!r}, {num_sent!r}.")
+        key = self._check_ngram(ngram_size)
+        if num_sent == 0:
+            return
+        keep = 1.0 if self.memory is None else 1.0 - 1.0 / self.memory
+        for accepted, reached in self._counts.values():
+            for j in range(len(reached)):
+                accepted[j] *= keep
+                reached[j] *= keep
+        depth = min(num_accepted + 1, num_sent)  # positions this round reached
+        for k in {0, key}:
+            accepted, reached = self._counts.setdefault(k, ([], []))
+            while len(reached) < depth:
+                accepted.append(0.0)
+                reached.append(0.0)
+            for j in range(depth):
+                reached[j] += 1.0
+                accepted[j] += 1.0 if j < num_accepted else 0.0
+        self.num_observations += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe state (settings and counts)."""
+        return {
+            "prior": self.prior,
+            "prior_strength": self.prior_strength,
+            "memory": self.memory,
+            "counts": {str(k): [list(a), list(n)] for k, (a, n) in sorted(self._counts.items())},
+            "num_observations": self.num_observations,
+        }
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any]) -> LookupAcceptance:
+        """Inverse of `to_dict`.
+
+        Raises:
+            ValueError: if `state` is malformed (missing fields, lists of different lengths, bad counts).
+        """
+        try:
+            out = cls(state["prior"], state["prior_strength"], state["memory"])
+            counts = {int(k): ([float(x) for x in a], [float(x) for x in n]) for k, (a, n) in state["counts"].items()}
+            num_observations = int(state["num_observations"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise ValueError("Not a LookupAcceptance state.") from None
+        for k, (accepted, reached) in counts.items():
+            if k < 0 or len(accepted) != len(reached):
+                raise ValueError("LookupAcceptance state: bad n-gram key or count lists of different lengths.")
+            for a, n in zip(accepted, reached, strict=True):
+                if not (math.isfinite(a) and math.isfinite(n) and 0 <= a <= n + 1e-9):
+                    raise ValueError("LookupAcceptance state: counts must be finite with 0 <= accepted <= reached.")
+        out._counts = counts
+        out.num_observations = max(num_observations, 0)
+        return out
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The policy
 # --------------------------------------------------------------------------------------------------------------------
 
 
-__all__ = ["AcceptanceCalibrator", "CostCurve", "expected_tokens"]
+__all__ = ["AcceptanceCalibrator", "CostCurve", "LookupAcceptance", "expected_tokens"]

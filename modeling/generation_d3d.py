@@ -21,14 +21,18 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .calibration_d3d import CalibrationStore, policy_for
+from .configuration_d3d import validate_config
 from .drafting_d3d import D3DCache
-from .lookup_d3d import lookup_candidates
+from .lookup_d3d import lookup_match
 from .policy_d3d import DraftPolicy
 from .runtime_d3d import PackedPassWorker, RoundClock, default_worker_threads, timed
 
 #: transformers releases the hook was tested with (inclusive lower, exclusive upper bound).
 SUPPORTED_TRANSFORMERS = ("5.24.0", "5.30.0")
 _HOOK_ATTRIBUTE = "_d3d_generation_hook"
+#: `GenerationMixin._validate_generation_mode`, the first step of `generate` that sees the assistant and the final
+#: generation config, is wrapped too, when it has these parameters (see `install_generation_hook`)
+_EXPECTED_VALIDATION_PARAMETERS = ("generation_mode", "generation_config", "generation_mode_kwargs")
 _EXPECTED_FACTORY_PARAMETERS = (
     "generation_config",
     "input_ids",
@@ -342,11 +346,16 @@ class D3DCandidateGenerator(CandidateGenerator):
             return self._asynchronous_candidates(input_ids, limit)
         if limit <= 0:
             return self._finish_round(input_ids, "target", [], [])
-        lookup = None
+        lookup, ngram_size = None, None
         if self.prompt_lookup:
-            lookup = lookup_candidates(input_ids, num_tokens=limit, eos_token_id=self.eos_token_ids or None)
+            lookup, ngram_size = lookup_match(input_ids, num_tokens=limit, eos_token_id=self.eos_token_ids or None)
         num_pending = cur_len - self.cache.get_seq_length()
-        decision = self.policy.decide(num_pending, 0 if lookup is None else lookup.shape[1], max_candidates=limit)
+        decision = self.policy.decide(
+            num_pending,
+            0 if lookup is None else lookup.shape[1],
+            max_candidates=limit,
+            lookup_ngram_size=ngram_size or None,
+        )
         drafts, scores, confidences, draft_seconds = [], [], None, None
         if decision.source == "lookup":
             drafts, scores = self._lookup_drafts(input_ids, lookup[0, : decision.num_lookup].tolist())
@@ -596,6 +605,63 @@ def _check_prompt_and_drafter(drafter: PreTrainedModel, prompt_length: int, targ
         )
 
 
+def check_generate_call(drafter: PreTrainedModel, generation_config) -> None:
+    """What D3D checks at the start of `target.generate(..., assistant_model=drafter)`, before transformers' own checks
+    of the assistant and before any forward pass: the drafter's config (`validate_config`, for fields set by hand such
+    as `drafter.config.block_size = 0`) and the options of the call that assisted decoding cannot honour.
+
+    Args:
+        drafter (`D3DForDiffusionDrafting`): the assistant.
+        generation_config (`GenerationConfig`): the call's generation config (after `generate`'s keyword arguments).
+
+    Raises:
+        ValueError: naming the drafter config field (`validate_config`), or `use_cache=False`.
+    """
+    validate_config(drafter.config)
+    if generation_config.use_cache is False:
+        raise ValueError(
+            "`use_cache=False` cannot be used with an assistant model: speculative decoding keeps the target's KV "
+            "cache and crops it to the accepted tokens after every verification. Drop `use_cache=False` (or pass "
+            "`use_cache=True`), or call `generate` without `assistant_model`."
+        )
+
+
+def check_generate_inputs(drafter: PreTrainedModel, input_ids: torch.Tensor, model_kwargs: dict | None) -> None:
+    """Refuses, before any forward pass, the prompts D3D cannot decode exactly as the target alone would.
+
+    Args:
+        drafter (`D3DForDiffusionDrafting`): the assistant.
+        input_ids (`torch.Tensor` of shape `(batch_size, seq_len)`): the prompt as `generate` prepared it.
+        model_kwargs (`dict`, *optional*): `generate`'s model keyword arguments (`inputs_embeds`, ...).
+
+    Raises:
+        ValueError: if `inputs_embeds` was given (with or without `input_ids`: the drafter drafts from token ids, so
+            embeddings that are not exactly the ids' own would make the drafts and the target disagree), if
+            `input_ids` is not an integer tensor (`torch.long` or `torch.int32`), if an id is outside `[0,
+            drafter.config.vocab_size)`, or (`validate_config`) for an invalid drafter config field.
+    """
+    validate_config(drafter.config)
+    if model_kwargs is not None and model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError(
+            "D3D speculative decoding does not take `inputs_embeds`: the drafter drafts from token ids. Pass the "
+            "prompt as `input_ids` (a `torch.long` tensor of shape `(1, seq_len)`) and drop `inputs_embeds`; for "
+            "embeddings that are not a tokenised prompt, call `generate` without `assistant_model`."
+        )
+    if input_ids.dtype not in (torch.long, torch.int32):
+        raise ValueError(
+            f"`input_ids` must hold token ids as integers (`torch.long`), got a {input_ids.dtype} tensor. Pass the "
+            "tokenizer's ids (`tokenizer(..., return_tensors='pt').input_ids`) or convert them with "
+            "`input_ids.long()` if they are whole numbers."
+        )
+    if input_ids.numel() > 0:
+        low, high, vocab = int(input_ids.min()), int(input_ids.max()), int(drafter.config.vocab_size)
+        if low < 0 or high >= vocab:
+            raise ValueError(
+                f"`input_ids` holds ids outside the vocabulary [0, {vocab}) (min {low}, max {high}): pass ids of the "
+                "target's own tokenizer."
+            )
+
+
 def _as_id_list(value) -> list[int]:
     if value is None:
         return []
@@ -620,8 +686,11 @@ def install_generation_hook() -> None:
 
     transformers has no registry for candidate generators (d3d-hf docs/DESIGN.md section 2), so this is one
     narrow, idempotent patch of the target's candidate-generator factory; every other assistant keeps
-    transformers' own behaviour.
-    Undo it with `remove_generation_hook()`.
+    transformers' own behaviour. For a D3D assistant the factory first refuses the inputs D3D cannot decode exactly
+    (`check_generate_inputs`: `inputs_embeds`, non-integer or out-of-vocabulary `input_ids`), and a second wrapper,
+    of `GenerationMixin._validate_generation_mode` (the first step of `generate` that sees the assistant), checks the
+    drafter's config and `use_cache` (`check_generate_call`) before transformers' own checks.
+    Undo both with `remove_generation_hook()`.
 
     Raises:
         RuntimeError: if the installed transformers has no candidate-generator factory with the expected signature
@@ -629,6 +698,7 @@ def install_generation_hook() -> None:
     """
     current = GenerationMixin._get_candidate_generator
     if getattr(current, _HOOK_ATTRIBUTE, False):
+        _install_validation_hook()
         return
     parameters = inspect.signature(current).parameters
     if any(name not in parameters for name in _EXPECTED_FACTORY_PARAMETERS):
@@ -660,6 +730,7 @@ def install_generation_hook() -> None:
     ):
         build = getattr(assistant_model, "build_candidate_generator", None)
         if build is not None:
+            check_generate_inputs(assistant_model, input_ids, model_kwargs)
             return build(
                 input_ids=input_ids,
                 generation_config=generation_config,
@@ -683,13 +754,38 @@ def install_generation_hook() -> None:
     setattr(_get_candidate_generator, _HOOK_ATTRIBUTE, True)
     _get_candidate_generator._d3d_original = original
     GenerationMixin._get_candidate_generator = _get_candidate_generator
+    _install_validation_hook()
+
+
+def _install_validation_hook() -> None:
+    """Wraps `GenerationMixin._validate_generation_mode` so that a D3D assistant's `check_generate_call` runs first:
+    transformers refuses `use_cache=False` in `_assisted_decoding` before it asks for a candidate generator, and
+    compares the assistant's `vocab_size` here. Skipped (those cases keep transformers' own errors) when the method
+    is missing or its parameters changed; idempotent."""
+    current = getattr(GenerationMixin, "_validate_generation_mode", None)
+    if current is None or getattr(current, _HOOK_ATTRIBUTE, False):
+        return
+    if any(name not in inspect.signature(current).parameters for name in _EXPECTED_VALIDATION_PARAMETERS):
+        return
+
+    @functools.wraps(current)
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        assistant_model = generation_mode_kwargs.get("assistant_model")
+        if getattr(assistant_model, "build_candidate_generator", None) is not None:
+            check_generate_call(assistant_model, generation_config)
+        return current(self, generation_mode, generation_config, generation_mode_kwargs)
+
+    setattr(_validate_generation_mode, _HOOK_ATTRIBUTE, True)
+    _validate_generation_mode._d3d_original = current
+    GenerationMixin._validate_generation_mode = _validate_generation_mode
 
 
 def remove_generation_hook() -> None:
     """Restores transformers' own candidate-generator factory (a no-op when the hook is not installed)."""
-    current = GenerationMixin._get_candidate_generator
-    if getattr(current, _HOOK_ATTRIBUTE, False):
-        GenerationMixin._get_candidate_generator = current._d3d_original
+    for name in ("_get_candidate_generator", "_validate_generation_mode"):
+        current = getattr(GenerationMixin, name, None)
+        if getattr(current, _HOOK_ATTRIBUTE, False):
+            setattr(GenerationMixin, name, current._d3d_original)
 
 
 __all__ = [
@@ -698,6 +794,8 @@ __all__ = [
     "D3DGenerationStats",
     "default_worker_threads",
     "SUPPORTED_TRANSFORMERS",
+    "check_generate_call",
+    "check_generate_inputs",
     "install_generation_hook",
     "remove_generation_hook",
 ]

@@ -37,6 +37,24 @@ def lookup_candidates(
     eos_token_id: int | Iterable[int] | torch.Tensor | None = None,
 ) -> torch.LongTensor:
     r"""
+    The candidate tokens of `lookup_match` (same arguments, same errors), without the matched n-gram size.
+
+    Example:
+        >>> lookup_candidates(torch.tensor([[5, 6, 7, 8, 5, 6]]), max_ngram_size=2, num_tokens=3)
+        tensor([[7, 8, 5]])
+    """
+    return lookup_match(input_ids, max_ngram_size, num_tokens, occurrence=occurrence, eos_token_id=eos_token_id)[0]
+
+
+def lookup_match(
+    input_ids: torch.LongTensor,
+    max_ngram_size: int = 3,
+    num_tokens: int = 10,
+    *,
+    occurrence: str = "first",
+    eos_token_id: int | Iterable[int] | torch.Tensor | None = None,
+) -> tuple[torch.LongTensor, int]:
+    r"""
     Draft tokens by prompt lookup: the tokens that followed an earlier occurrence of the sequence's longest
     matching suffix n-gram.
 
@@ -70,16 +88,17 @@ def lookup_candidates(
             End-of-sequence id(s) to cut the continuation at.
 
     Returns:
-        `torch.LongTensor` of shape `(1, n)` with `0 <= n <= num_tokens`, on `input_ids`' device: the candidate
-        tokens (shape `(1, 0)` when nothing matches).
+        `(candidates, ngram_size)`: `torch.LongTensor` of shape `(1, n)` with `0 <= n <= num_tokens`, on
+        `input_ids`' device (shape `(1, 0)` when nothing matches), and the size of the suffix n-gram that matched
+        (0 when none did). The size tells how reliable the match is (`estimates_d3d.LookupAcceptance`).
 
     Raises:
         ValueError: if `input_ids` is not of shape `(1, seq_len)`, `max_ngram_size` or `num_tokens` is below 1, or
             `occurrence` is unknown.
 
     Example:
-        >>> lookup_candidates(torch.tensor([[5, 6, 7, 8, 5, 6]]), max_ngram_size=2, num_tokens=3)
-        tensor([[7, 8, 5]])
+        >>> lookup_match(torch.tensor([[5, 6, 7, 8, 5, 6]]), max_ngram_size=2, num_tokens=3)
+        (tensor([[7, 8, 5]]), 2)
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"`input_ids` must have shape (1, seq_len), got {tuple(input_ids.shape)}.")
@@ -107,8 +126,8 @@ def lookup_candidates(
             if hits.numel() > 0:
                 chosen = chosen[: int(hits[0])]
         # as in transformers: a match cut to nothing by eos ends the search (no fall-back to shorter n-grams)
-        return chosen[None] if chosen.numel() > 0 else empty
-    return empty
+        return (chosen[None], ngram_size) if chosen.numel() > 0 else (empty, 0)
+    return empty, 0
 
 
-__all__ = ["OCCURRENCES", "lookup_candidates"]
+__all__ = ["OCCURRENCES", "lookup_candidates", "lookup_match"]

@@ -22,7 +22,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .checkpoint_d3d import check_weight_files, push_handler, save_folder_atomically, save_hooks
-from .configuration_d3d import D3DConfig
+from .configuration_d3d import D3DConfig, validate_config
 from .drafting_d3d import (
     D3DCache,
     D3DPackedDraft,
@@ -728,6 +728,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
     _is_d3d_drafter = True
 
     def __init__(self, config: D3DConfig) -> None:
+        validate_config(config)  # a config edited by hand after it was built is checked here too
         super().__init__(config)
         if config.shares_target_weights:
             # embeddings and LM head are the target's tensors (`attach_target_weights`), not tied copies stored here

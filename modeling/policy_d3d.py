@@ -32,7 +32,6 @@ dtype) is the sibling `calibration_d3d.py`.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -43,6 +42,7 @@ from .estimates_d3d import (
     _MIN_SECONDS,
     AcceptanceCalibrator,
     CostCurve,
+    LookupAcceptance,
     _as_floats,
     _check_probabilities,
     _check_seconds,
@@ -73,6 +73,8 @@ class RoundDecision:
         drafter_rate (`float`, *optional*): of the best drafter plan (`None` when the drafter cannot be used).
         lookup_rate (`float`, *optional*): of the best lookup round (`None` without lookup tokens).
         expected_rate (`float`): of the option taken (under exploration, not the best one).
+        lookup_ngram_size (`int`, *optional*): size of the n-gram the lookup tokens matched (what
+            `observe_round` files the outcome under), `None` when not known or without lookup tokens.
     """
 
     source: str
@@ -84,6 +86,7 @@ class RoundDecision:
     drafter_rate: float | None = None
     lookup_rate: float | None = None
     expected_rate: float = 0.0
+    lookup_ngram_size: int | None = None
 
     @property
     def draft_rows(self) -> int:
@@ -127,8 +130,10 @@ class DraftPolicy:
       committed tokens to catch up, with the position profile `q_j` (`AcceptanceCalibrator.position_profile`):
       `R_draft(m) = expected_tokens(q, m) / (t_draft(c + m) + t_verify(m + 1))`; this assumes all `m` drafts are
       sent, a lower bound on what `choose` makes of the pass;
-    - prompt lookup with `L` matched tokens and per-token acceptance `p` (a running estimate): for `k <= L`,
-      `R_lookup(k) = expected_tokens([p] * k, k) / t_verify(k + 1)` (no draft pass).
+    - prompt lookup with `L` matched tokens from a match of n-gram size `n`, with the learned acceptance `q_n,j`
+      of span position `j` (`LookupAcceptance`: copied spans are accepted more often deeper in, and longer
+      matches are more reliable): for `k <= L`, `R_lookup(k) = expected_tokens(q_n, k) / t_verify(k + 1)` (no draft
+      pass).
 
     The best rate wins; options within `tie_tolerance` (2%) of the best count as ties, and ties go to the cheaper
     option (fewer expected seconds per round). The choice is myopic: it does not weigh that catching the drafter up
@@ -157,7 +162,7 @@ class DraftPolicy:
     `num_pending + m` rows; it returns `m + 1` score rows, and the policy counts the first `m` as the round's drafts
     (the last row, the guess one past the block, is left unused, as in the synchronous generator).
 
-    Example (one round of a candidate generator; `lookup` from `lookup_d3d.lookup_candidates`):
+    Example (one round of a candidate generator; `lookup, n` from `lookup_d3d.lookup_match`):
 
         decision = policy.decide(num_pending=seq_len - cache_len, lookup_tokens=lookup.shape[1],
                                  max_candidates=max_length - seq_len - 1)
@@ -190,8 +195,9 @@ class DraftPolicy:
             disables exploration (warm-up included).
         explore_backoff (`float`, defaults to 2.0): interval growth per periodic exploration, >= 1.
         explore_max_interval (`int`, defaults to 4096): the interval's ceiling, >= `explore_every`.
-        lookup_prior (`float`, defaults to 0.5): prior per-token acceptance of lookup tokens, in [0, 1].
-        lookup_prior_strength (`float`, defaults to 4.0): its pseudo-observations, > 0.
+        lookup_prior (`float`, defaults to 0.5): prior acceptance of a span's first lookup token, in [0, 1]
+            (`LookupAcceptance`).
+        lookup_prior_strength (`float`, defaults to 4.0): pseudo-observations of each lookup prior, > 0.
         lookup_memory (`float`, *optional*, defaults to 64.0): lookup rounds over which lookup counts fade (> 1);
             `None` keeps them forever.
         curve_weight (`float`, defaults to 0.2): weight of a round's timing in `CostCurve.observe`, in (0, 1].
@@ -240,6 +246,7 @@ class DraftPolicy:
             raise ValueError("`lookup_prior` must be in [0, 1] and `lookup_prior_strength` > 0.")
         if lookup_memory is not None and not lookup_memory > 1:
             raise ValueError(f"`lookup_memory` must be > 1 (or None), got {lookup_memory!r}.")
+        self.lookup = LookupAcceptance(lookup_prior, lookup_prior_strength, lookup_memory)
         if not 0 < curve_weight <= 1:
             raise ValueError(f"`curve_weight` must be in (0, 1], got {curve_weight!r}.")
         self.verify_curve = verify_curve
@@ -251,13 +258,7 @@ class DraftPolicy:
         self.explore_every = explore_every
         self.explore_backoff = float(explore_backoff)
         self.explore_max_interval = explore_max_interval
-        self.lookup_prior = float(lookup_prior)
-        self.lookup_prior_strength = float(lookup_prior_strength)
-        self.lookup_memory = None if lookup_memory is None else float(lookup_memory)
         self.curve_weight = float(curve_weight)
-        self._lookup_accepted = 0.0
-        self._lookup_trials = 0.0
-        self._lookup_observations = 0
         # exploration state (advanced by `decide`)
         self.rounds = 0
         self._drafter_rounds = 0
@@ -399,76 +400,86 @@ class DraftPolicy:
 
     @property
     def lookup_probability(self) -> float:
-        """Running per-token acceptance of lookup tokens: `(accepted + s * prior) / (trials + s)`, where a round with
-        `a` accepted of `n` sent adds `a` to accepted and `a + (1 if a < n else 0)` to trials (a geometric model)."""
-        s = self.lookup_prior_strength
-        return (self._lookup_accepted + s * self.lookup_prior) / (self._lookup_trials + s)
+        """The learned acceptance of a lookup span's first token, pooled over n-gram sizes (`LookupAcceptance`)."""
+        return self.lookup.probabilities(1)[0]
 
-    def observe_lookup(self, num_sent: int, num_accepted: int) -> None:
-        """Updates the lookup estimate from one verified lookup round.
+    def observe_lookup(self, num_sent: int, num_accepted: int, ngram_size: int | None = None) -> None:
+        """Updates the lookup estimate from one verified lookup round (`LookupAcceptance.observe`).
 
         Args:
             num_sent (`int`): lookup tokens sent, >= 0.
             num_accepted (`int`): of them accepted, in `[0, num_sent]`.
+            ngram_size (`int`, *optional*): size of the n-gram that matched.
 
         Raises:
             ValueError: for inconsistent counts.
         """
-        if not _is_int(num_sent) or not _is_int(num_accepted) or not 0 <= num_accepted <= num_sent:
-            raise ValueError(f"Need ints 0 <= num_accepted <= num_sent, got {num_accepted!r}, {num_sent!r}.")
-        if num_sent == 0:
-            return
-        if self.lookup_memory is not None:
-            keep = 1.0 - 1.0 / self.lookup_memory
-            self._lookup_accepted *= keep
-            self._lookup_trials *= keep
-        self._lookup_accepted += num_accepted
-        self._lookup_trials += num_accepted + (1 if num_accepted < num_sent else 0)
-        self._lookup_observations += 1
+        self.lookup.observe(num_sent, num_accepted, ngram_size)
 
-    def lookup_rates(self, num_lookup_tokens: int, lookup_probability: float | None = None) -> list[float]:
-        """`[expected_tokens([p] * k, k) / t_verify(k + 1) for k in 0..L]` (index 0 is the plain target step)."""
+    def lookup_rates(
+        self, num_lookup_tokens: int, lookup_probability: float | None = None, ngram_size: int | None = None
+    ) -> list[float]:
+        """`[expected_tokens(q, k) / t_verify(k + 1) for k in 0..L]` (index 0 is the plain target step), with `q`
+        the learned per-position acceptance for a match of `ngram_size` (`LookupAcceptance.probabilities`), or `[p]
+        * L` for a given `lookup_probability` `p`."""
         if not _is_int(num_lookup_tokens) or num_lookup_tokens < 0:
             raise ValueError(f"`num_lookup_tokens` must be an int >= 0, got {num_lookup_tokens!r}.")
-        p = self.lookup_probability if lookup_probability is None else lookup_probability
-        probs = _check_probabilities([p] * num_lookup_tokens, "`lookup_probability`")
+        if lookup_probability is None:
+            probs = self.lookup.probabilities(num_lookup_tokens, ngram_size)
+        else:
+            probs = _check_probabilities([lookup_probability] * num_lookup_tokens, "`lookup_probability`")
         return [_rate(expected_tokens(probs, k), self._verify(k + 1)) for k in range(num_lookup_tokens + 1)]
 
     def choose_lookup(
-        self, num_lookup_tokens: int, lookup_probability: float | None = None, max_candidates: int | None = None
+        self,
+        num_lookup_tokens: int,
+        lookup_probability: float | None = None,
+        max_candidates: int | None = None,
+        ngram_size: int | None = None,
     ) -> tuple[int, float]:
-        """The best lookup round: `k* = argmax_{1 <= k <= L} expected_tokens([p] * k, k) / t_verify(k + 1)`.
+        """The best lookup round: `k* = argmax_{1 <= k <= L} expected_tokens(q, k) / t_verify(k + 1)`.
 
         Args:
             num_lookup_tokens (`int`): length `L` of the lookup match, >= 0.
-            lookup_probability (`float`, *optional*): per-token acceptance `p`; defaults to the running estimate
-                `lookup_probability`.
+            lookup_probability (`float`, *optional*): a per-token acceptance `p` to use for every position instead
+                of the learned `q` (`lookup_rates`).
             max_candidates (`int`, *optional*): most tokens this round may send.
+            ngram_size (`int`, *optional*): size of the n-gram that matched.
 
         Returns:
             `(k, rate)`: tokens to send (near-ties to fewer) and the round's expected tokens per second; `(0,
             R_target)` when `L` (after the cap) is 0.
         """
         limit = num_lookup_tokens if max_candidates is None else min(num_lookup_tokens, max(max_candidates, 0))
-        options = self._lookup_options(limit, lookup_probability)
+        options = self._lookup_options(limit, lookup_probability, ngram_size)
         if not options:
             return 0, self.target_rate()
         best = _pick(options, self.tie_tolerance)
         return best.count, best.rate
 
-    def _lookup_options(self, limit: int, lookup_probability: float | None = None) -> list[_Option]:
-        rates = self.lookup_rates(limit, lookup_probability)
+    def _lookup_options(
+        self, limit: int, lookup_probability: float | None = None, ngram_size: int | None = None
+    ) -> list[_Option]:
+        rates = self.lookup_rates(limit, lookup_probability, ngram_size)
         return [_Option("lookup", k, rates[k], self._verify(k + 1)) for k in range(1, limit + 1)]
 
     # ---- one round -----------------------------------------------------------------------------------------------
 
-    def decide(self, num_pending: int, lookup_tokens: int = 0, max_candidates: int | None = None) -> RoundDecision:
+    def decide(
+        self,
+        num_pending: int,
+        lookup_tokens: int = 0,
+        max_candidates: int | None = None,
+        lookup_ngram_size: int | None = None,
+    ) -> RoundDecision:
         """Decides the next round (call once per round, before drafting; advances the exploration counters).
 
         Args:
             num_pending (`int`): committed tokens the drafter has not cached (>= 1, the anchor included).
             lookup_tokens (`int`, defaults to 0): length of the prompt-lookup match available this round (0: none).
             max_candidates (`int`, *optional*): most candidates this round may send (room before `max_length`).
+            lookup_ngram_size (`int`, *optional*): size of the n-gram the lookup tokens matched
+                (`lookup_d3d.lookup_match`); the lookup estimate is kept per size.
 
         Returns:
             `RoundDecision`. For `"drafter"`, run `draft_logits(committed, cache, num_masks=decision.num_masks)`,
@@ -502,14 +513,16 @@ class DraftPolicy:
                 expected_rate=rate,
             )
         else:
-            decision = self._decide_adaptive(num_pending, limit, lookup_limit)
+            decision = self._decide_adaptive(num_pending, limit, lookup_limit, lookup_ngram_size)
         self._advance(decision, lookup_limit > 0)
         return decision
 
-    def _decide_adaptive(self, num_pending: int, limit: int, lookup_limit: int) -> RoundDecision:
+    def _decide_adaptive(
+        self, num_pending: int, limit: int, lookup_limit: int, lookup_ngram_size: int | None
+    ) -> RoundDecision:
         target = _Option("target", 0, self.target_rate(), self._verify(1))
         drafter = self._drafter_options(num_pending, limit)
-        lookup = self._lookup_options(lookup_limit)
+        lookup = self._lookup_options(lookup_limit, ngram_size=lookup_ngram_size)
         # one pick over every option, so that the tie rule does not depend on the order of comparison
         chosen = _pick([target, *drafter, *lookup], self.tie_tolerance)
         best_drafter = _pick(drafter, self.tie_tolerance) if drafter else None
@@ -518,7 +531,7 @@ class DraftPolicy:
         if self.explore_every is not None:
             drafter_usable = self.draft_curve is not None and limit >= 1
             warm_drafter = self._drafter_rounds == 0 and self.calibrator.num_observations == 0
-            warm_lookup = self._lookup_rounds == 0 and self._lookup_observations == 0
+            warm_lookup = self._lookup_rounds == 0 and self.lookup.num_observations == 0
             if (
                 chosen.source != "drafter"
                 and drafter_usable
@@ -556,6 +569,7 @@ class DraftPolicy:
             drafter_rate=None if best_drafter is None else best_drafter.rate,
             lookup_rate=None if best_lookup is None else best_lookup.rate,
             expected_rate=chosen.rate,
+            lookup_ngram_size=lookup_ngram_size if chosen.source == "lookup" else None,
         )
 
     def _advance(self, decision: RoundDecision, had_lookup: bool) -> None:
@@ -614,7 +628,7 @@ class DraftPolicy:
             if draft_seconds is not None and self.draft_curve is not None:
                 self.draft_curve.observe(decision.draft_rows, draft_seconds, self.curve_weight)
         elif decision.source == "lookup":
-            self.observe_lookup(num_sent, num_accepted)
+            self.observe_lookup(num_sent, num_accepted, decision.lookup_ngram_size)
         if verify_seconds is not None and self.verify_curve is not None:
             rows = num_sent + 1 if verify_rows is None else verify_rows
             self.verify_curve.observe(rows, verify_seconds, self.curve_weight)
@@ -627,11 +641,7 @@ class DraftPolicy:
             "verify_curve": None if self.verify_curve is None else self.verify_curve.to_dict(),
             "draft_curve": None if self.draft_curve is None else self.draft_curve.to_dict(),
             "calibrator": self.calibrator.to_dict(),
-            "lookup": {
-                "accepted": self._lookup_accepted,
-                "trials": self._lookup_trials,
-                "observations": self._lookup_observations,
-            },
+            "lookup": self.lookup.to_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -646,17 +656,13 @@ class DraftPolicy:
             verify_curve = None if verify is None else CostCurve.from_dict(verify)
             draft_curve = None if draft is None else CostCurve.from_dict(draft)
             calibrator = AcceptanceCalibrator.from_dict(state["calibrator"])
-            accepted = float(state["lookup"]["accepted"])
-            trials = float(state["lookup"]["trials"])
-            observations = int(state["lookup"]["observations"])
+            lookup = LookupAcceptance.from_dict(state["lookup"])
         except (KeyError, TypeError):
             raise ValueError("Not a DraftPolicy state.") from None
-        if not (math.isfinite(accepted) and math.isfinite(trials) and 0 <= accepted <= trials):
-            raise ValueError("DraftPolicy state: lookup counts must be finite with 0 <= accepted <= trials.")
         if self.mode == "adaptive" and verify_curve is None:
             raise ValueError("DraftPolicy state without a verify curve cannot drive the adaptive mode.")
         self.verify_curve, self.draft_curve, self.calibrator = verify_curve, draft_curve, calibrator
-        self._lookup_accepted, self._lookup_trials, self._lookup_observations = accepted, trials, observations
+        self.lookup = lookup
 
     def save_to(self, store, key: str, parts: Mapping[str, Any] | None = None) -> str | None:
         """`store.save(key, self.state_dict(), parts)`; returns the file written (None if it could not be)."""
@@ -684,6 +690,7 @@ __all__ = [
     "AcceptanceCalibrator",
     "CostCurve",
     "DraftPolicy",
+    "LookupAcceptance",
     "RoundDecision",
     "expected_tokens",
 ]

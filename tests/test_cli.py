@@ -102,3 +102,136 @@ def test_bench_argument_errors_for_new_methods(tiny_folders, capsys):
     ]
     assert main(args) == 2
     assert "does not use the target's tokenizer" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# values from outside are validated where they enter, before any model loads (issue 17)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--drafter", "x", "--max-new-tokens", "0"],
+        ["generate", "--drafter", "x", "--prompt", "hi", "--max-new-tokens", "-1"],
+        ["generate", "--drafter", "x", "--prompt", "hi", "--do-sample", "--temperature", "nan"],
+        ["generate", "--drafter", "x", "--prompt", "hi", "--do-sample", "--top-k", "-2"],
+        ["data", "--target", "t", "--output", "o", "--batch-size", "0"],
+        ["data", "--target", "t", "--output", "o", "--max-new-tokens", "0"],
+        ["data", "--target", "t", "--output", "o", "--temperature", "inf"],
+        ["cost-model", "--target", "t", "--tau", "2,nan"],
+        ["cost-model", "--target", "t", "--hit-rate", ","],
+        ["init-drafter", "--from", "t", "--output", "o", "--num-layers", "0"],
+        ["convert", "--from", "f", "--output", "o", "--block-size", "0"],
+        ["convert", "--from", "f", "--output", "o", "--mask-token-id", "-1"],
+        ["convert", "--from", "f", "--output", "o", "--threads", "0"],
+        ["push", "--drafter", "d", "--repo-id", "me/x", "--threads", "0"],
+        ["prune", "--drafter", "d", "--prompts", "stdlib", "--output", "o", "--min-tau-retention", "nan"],
+    ],
+    ids=lambda argv: " ".join(argv[:1] + argv[-2:]),
+)
+def test_more_bad_values_are_rejected_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "expected" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Makes loading a target or a drafter's weights fail the test: the error must come before."""
+    import d3d_hf.drafters
+    import d3d_hf.targets
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the argument error")
+
+    monkeypatch.setattr(d3d_hf.targets, "load_target", refuse)
+    monkeypatch.setattr(d3d_hf.drafters, "load_drafter", refuse)
+
+
+def test_drafter_dependent_options_are_checked_before_loading(tiny_folders, no_model_loads, capsys):
+    drafter = str(tiny_folders / "drafter")  # block size 4, 3 layers
+    bench = ["bench", "--drafter", drafter, "--prompts", str(tiny_folders / "prompts.jsonl"), "--max-new-tokens", "2"]
+    cases = [
+        (bench + ["--methods", "target,d3d", "--num-drafts", "4"], "--num-drafts 4 is more than a block of 4 tokens"),
+        (bench + ["--methods", "target,d3d", "--num-drafts", "4", "--block-size", "4"], "or a larger --block-size"),
+        (
+            bench + ["--methods", "target,d3d-async", "--num-hypotheses", "5"],
+            "--num-hypotheses 5 is more than the block",
+        ),
+        (bench + ["--methods", "target,d3d-async", "--worker-threads", "100000"], "--worker-threads 100000 is more"),
+        (bench + ["--block-size", "513"], "--block-size 513 is longer than the drafter's context (512 tokens"),
+        (
+            ["generate", "--drafter", drafter, "--prompt", "t5", "--block-size", "600"],
+            "--block-size 600 is longer than the drafter's context",
+        ),
+        (
+            ["push", "--drafter", drafter, "--repo-id", "me/x", "--results", str(tiny_folders / "none.json")],
+            "No results file at --results",
+        ),
+        (
+            ["prune", "--drafter", drafter, "--prompts", "stdlib:4", "--limit", "2", "--num-layers", "3", "--output"]
+            + [str(tiny_folders / "prune-out")],
+            "--num-layers 3 must be below the drafter's 3 layers",
+        ),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    # the largest valid values get past these checks (and then load, which the fixture refuses)
+    for argv in (
+        bench + ["--methods", "target,d3d", "--num-drafts", "3"],
+        bench + ["--num-drafts", "7", "--block-size", "8"],
+    ):
+        with pytest.raises(AssertionError, match="a model was loaded"):
+            main(argv)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--temperature", "0.7"], "--temperature only apply when sampling: add --do-sample"),
+        (["--top-k", "5", "--top-p", "0.9"], "--top-k, --top-p only apply when sampling"),
+        (["--do-sample", "--temperature", "0"], "--temperature must be > 0"),
+        (["--do-sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    ],
+)
+def test_generate_sampling_flags_are_checked_before_loading(argv, message, tiny_folders, no_model_loads, capsys):
+    assert main(["generate", "--drafter", str(tiny_folders / "drafter"), "--prompt", "t5 t6"] + argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_other_values_are_checked_before_loading(tiny_folders, no_model_loads, capsys):
+    target = str(tiny_folders / "target")
+    cases = [
+        (["cost-model", "--target", target, "--tau", "0.5,2"], "--tau values must be >= 1"),
+        (
+            ["data", "--target", target, "--output", str(tiny_folders / "d"), "--temperature", "-1"],
+            "--temperature must",
+        ),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--position_weight_gamma", "0"], "`position_weight_gamma` must be a finite number > 0"),
+        (["--block_size", "1"], "`block_size` must be a whole number >= 2"),
+        (["--max_length", "1"], "`max_length` must be a whole number >= 2"),
+        (["--block_lora_rank", "0"], "`block_lora_rank` must be a whole number >= 1"),
+        (["--ar_loss_weight", "nan"], "`ar_loss_weight` must be a finite number"),
+        (["--peft_lora_alpha", "-1"], "`peft_lora_alpha` must be a finite number > 0"),
+        (["--init_block_size", "1"], "--init_block_size must be a whole number >= 2"),
+        (["--tau_holdout", "-1"], "--tau_holdout must be a whole number >= 0"),
+        (["--threads", "0"], "--threads must be a whole number >= 1"),
+        (["--dtype", "float8"], "--dtype must be float32, bfloat16 or float16"),
+        (["--tau_eval_steps", "5", "--tau_holdout", "0"], "pass --tau_holdout 1 or more"),
+    ],
+)
+def test_train_values_are_checked_before_loading(flags, message, tmp_path, no_model_loads, capsys):
+    argv = ["train", "--target", "t", "--data", str(tmp_path / "none"), "--output_dir", str(tmp_path / "out")]
+    assert main(argv + ["--use_cpu"] + flags) == 2
+    assert message in capsys.readouterr().err

@@ -21,8 +21,8 @@ from d3d_hf.modeling.calibration_d3d import (
     default_cache_dir,
     measure_cost_curves,
 )
-from d3d_hf.modeling.estimates_d3d import AcceptanceCalibrator, CostCurve, expected_tokens
-from d3d_hf.modeling.lookup_d3d import lookup_candidates
+from d3d_hf.modeling.estimates_d3d import AcceptanceCalibrator, CostCurve, LookupAcceptance, expected_tokens
+from d3d_hf.modeling.lookup_d3d import lookup_candidates, lookup_match
 from d3d_hf.modeling.policy_d3d import DraftPolicy, RoundDecision
 from transformers.generation import PromptLookupCandidateGenerator
 
@@ -65,14 +65,26 @@ def test_cost_curve_interpolates_and_extrapolates():
 
 def test_cost_curve_observe_and_round_trip():
     curve = CostCurve({1: 1.0, 4: 4.0})
-    curve.observe(1, 2.0, weight=0.25)
+    curve.observe(1, 2.0, weight=0.25, max_ratio=None)
     assert curve(1) == pytest.approx(1.25)  # moving average at an existing point
-    curve.observe(2, 0.5)
+    curve.observe(2, 0.5, max_ratio=None)
     assert curve.points == {1: pytest.approx(1.25), 2: 0.5, 4: 4.0}  # a new q becomes a point
     assert curve(3) == pytest.approx(2.25)
     state = json.loads(json.dumps(curve.to_dict()))
     assert CostCurve.from_dict(state).points == curve.points
     assert curve.monotone().points == {1: pytest.approx(1.25), 2: pytest.approx(1.25), 4: 4.0}
+
+
+def test_cost_curve_observe_clamps_one_disturbed_round():
+    curve = CostCurve({1: 0.040, 6: 0.060})
+    curve.observe(6, 0.400)  # one round 6.7x slower than usual (another process took the core)
+    assert curve(6) == pytest.approx(0.060 * 1.1)  # moved by weight * (max_ratio - 1) = 10%, not by 113%
+    interpolated = curve(3)  # 0.040 + (0.066 - 0.040) * 2 / 5
+    curve.observe(3, 0.001)  # a new point starts from the measurement clamped around the interpolated value
+    assert curve.points[3] == pytest.approx(interpolated / 1.5)
+    for _ in range(30):  # a lasting change is followed
+        curve.observe(1, 0.080)
+    assert curve(1) == pytest.approx(0.080, rel=0.01)
 
 
 @pytest.mark.parametrize(
@@ -88,7 +100,7 @@ def test_cost_curve_rejects_bad_queries_and_observations():
     for q in (0, 0.5, -3, math.nan):
         with pytest.raises(ValueError):
             curve(q)
-    for args in ((0, 1.0), (1, -1.0), (1, math.inf), (1, 1.0, 0.0), (1, 1.0, 1.5)):
+    for args in ((0, 1.0), (1, -1.0), (1, math.inf), (1, 1.0, 0.0), (1, 1.0, 1.5), (1, 1.0, 0.2, 0.9)):
         with pytest.raises(ValueError):
             curve.observe(*args)
     with pytest.raises(ValueError):
@@ -295,7 +307,7 @@ def test_lookup_is_preferred_when_a_long_match_is_likely_accepted_and_free():
     assert p.lookup_probability > 0.85
     decision = p.decide(num_pending=1, lookup_tokens=10)
     assert (decision.source, decision.num_lookup, decision.num_masks) == ("lookup", 10, 0)
-    assert decision.lookup_rate == pytest.approx(expected_tokens([p.lookup_probability] * 10, 10) / 1.0)
+    assert decision.lookup_rate == pytest.approx(expected_tokens(p.lookup.probabilities(10), 10) / 1.0)
     assert decision.lookup_rate > decision.target_rate > decision.drafter_rate
     assert decision.expected_rate == decision.lookup_rate
     assert p.choose_lookup(10) == (10, pytest.approx(decision.lookup_rate))
@@ -320,16 +332,66 @@ def test_lookup_is_skipped_when_it_does_not_pay():
 def test_lookup_estimate():
     p = policy()
     assert p.lookup_probability == 0.5  # the prior
-    p.observe_lookup(num_sent=4, num_accepted=4)  # 4 accepted, none rejected: (4 + 4 * 0.5) / (4 + 4)
-    assert p.lookup_probability == pytest.approx(0.75)
+    p.observe_lookup(num_sent=4, num_accepted=4)  # position 1 reached and accepted once: (1 + 4 * 0.5) / (1 + 4)
+    assert p.lookup_probability == pytest.approx(0.6)
     for _ in range(300):
-        p.observe_lookup(num_sent=5, num_accepted=1)  # one accepted, then one rejected: a 50% rate ...
-    assert p.lookup_probability == pytest.approx(0.5, abs=0.01)
+        p.observe_lookup(num_sent=5, num_accepted=1)  # first accepted, second rejected ...
+    assert p.lookup_probability > 0.95 and p.lookup.probabilities(2)[1] < 0.1  # counts fade over 64 rounds
     for _ in range(300):
         p.observe_lookup(num_sent=5, num_accepted=0)  # ... and lately none: the estimate follows (it fades)
     assert p.lookup_probability < 0.05
     with pytest.raises(ValueError):
         p.observe_lookup(num_sent=2, num_accepted=3)
+
+
+def test_lookup_acceptance_is_learned_per_position_and_ngram_size():
+    est = LookupAcceptance(prior=0.5, prior_strength=4.0, memory=None)
+    assert est.probabilities(3) == [0.5, 0.5, 0.5]  # nothing seen: one geometric rate
+    # copied spans: the first token is a coin flip, but once it is accepted the whole span of 8 is
+    for i in range(200):
+        est.observe(num_sent=8, num_accepted=8 if i % 2 else 0, ngram_size=3)
+    q = est.probabilities(8, ngram_size=3)
+    assert q[0] == pytest.approx(0.5, abs=0.01) and min(q[1:]) > 0.97
+    # one-token matches that usually fail are filed apart, and do not spoil 3-gram matches
+    for _ in range(200):
+        est.observe(num_sent=4, num_accepted=0, ngram_size=1)
+    assert est.probabilities(1, ngram_size=1)[0] < 0.05
+    assert est.probabilities(8, ngram_size=3)[1] > 0.97
+    # a size never seen borrows the pooled estimate, position by position
+    assert est.probabilities(3, ngram_size=2) == pytest.approx(est.probabilities(3))
+    # deep positions never reached keep the estimate of the position before them
+    assert est.probabilities(12, ngram_size=3)[8:] == pytest.approx([est.probabilities(8, ngram_size=3)[7]] * 4)
+    state = json.loads(json.dumps(est.to_dict()))
+    assert LookupAcceptance.from_dict(state).probabilities(8, 3) == est.probabilities(8, 3)
+    for bad in ({}, {**state, "counts": {"3": [[1.0], [0.5]]}}, {**state, "counts": {"3": [[1.0, 1.0], [1.0]]}}):
+        with pytest.raises(ValueError):
+            LookupAcceptance.from_dict(bad)
+    for args in ((2, 3), (2, 1, 0), (2, 1, 1.5)):
+        with pytest.raises(ValueError):
+            est.observe(*args)
+
+
+def test_lookup_sends_the_whole_span_when_copies_run_long():
+    """A geometric rate of ~0.5 would send 1-2 tokens on a curve where 11 rows cost twice 1; the per-position estimate
+    learned from spans that are either rejected at once or copied whole sends all of them."""
+    verify = CostCurve({1: 1.0, 3: 1.1, 11: 2.0})
+    p = DraftPolicy(verify, None, max_drafts=15, explore_every=None)
+    for i in range(100):
+        p.observe_lookup(num_sent=10, num_accepted=10 if i % 2 else 0, ngram_size=2)
+    geometric = p.choose_lookup(10, lookup_probability=0.5)[0]
+    decision = p.decide(num_pending=1, lookup_tokens=10, lookup_ngram_size=2)
+    assert geometric <= 2 and (decision.source, decision.num_lookup, decision.lookup_ngram_size) == ("lookup", 10, 2)
+    p.observe_round(decision, num_sent=10, num_accepted=0)
+    assert p.lookup.num_observations == 101
+
+
+def test_lookup_match_reports_the_ngram_size():
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7]])
+    tokens, size = lookup_match(ids, max_ngram_size=3, num_tokens=2)
+    assert tokens.tolist() == [[8, 9]] and size == 3
+    assert lookup_match(ids, max_ngram_size=1, num_tokens=2)[1] == 1
+    tokens, size = lookup_match(torch.tensor([[1, 2, 3]]), num_tokens=2)
+    assert tokens.shape == (1, 0) and size == 0
 
 
 # ---- exploration ---------------------------------------------------------------------------------------------------
@@ -391,15 +453,17 @@ def test_observe_round_learns_acceptance_and_costs():
     p = DraftPolicy(CostCurve({1: 1.0, 16: 1.0}), CostCurve({1: 1.0, 16: 1.0}), max_drafts=15, explore_every=None)
     decision = RoundDecision("drafter", num_masks=4, num_pending=3)
     assert decision.draft_rows == 7
-    p.observe_round(decision, num_sent=3, num_accepted=2, confidences=[0.9, 0.8, 0.7, 0.6], draft_seconds=2.0,
-                    verify_seconds=3.0)
+    p.observe_round(
+        decision, num_sent=3, num_accepted=2, confidences=[0.9, 0.8, 0.7, 0.6], draft_seconds=1.4, verify_seconds=1.3
+    )  # within CostCurve.observe's clamp (1.5x the curve's 1.0)
     assert p.calibrator.num_observations == 1
-    assert p.draft_curve.points[7] == 2.0  # a new point at the pass's rows
-    assert p.verify_curve.points[4] == 3.0  # num_sent + 1 rows
-    p.observe_round(decision, num_sent=3, num_accepted=2, verify_seconds=2.0)
-    assert p.verify_curve.points[4] == pytest.approx(0.8 * 3.0 + 0.2 * 2.0)
-    p.observe_round(RoundDecision("lookup", num_lookup=5), num_sent=5, num_accepted=5, verify_seconds=1.5,
-                    verify_rows=30)
+    assert p.draft_curve.points[7] == 1.4  # a new point at the pass's rows
+    assert p.verify_curve.points[4] == 1.3  # num_sent + 1 rows
+    p.observe_round(decision, num_sent=3, num_accepted=2, verify_seconds=1.2)
+    assert p.verify_curve.points[4] == pytest.approx(0.8 * 1.3 + 0.2 * 1.2)
+    p.observe_round(
+        RoundDecision("lookup", num_lookup=5), num_sent=5, num_accepted=5, verify_seconds=1.5, verify_rows=30
+    )
     assert p.lookup_probability > 0.5 and p.verify_curve.points[30] == 1.5
     p.observe_round(RoundDecision("target"), num_sent=0, num_accepted=0, verify_seconds=None)
     with pytest.raises(ValueError):
@@ -410,8 +474,14 @@ def test_observe_round_learns_acceptance_and_costs():
 
 def test_policy_state_round_trip():
     p = DraftPolicy(CostCurve(FP32), CostCurve({1: 0.07, 16: 0.12}), max_drafts=15)
-    p.observe_round(RoundDecision("drafter", num_masks=3, num_pending=2), num_sent=3, num_accepted=1,
-                    confidences=[0.9, 0.4, 0.3], draft_seconds=0.1, verify_seconds=0.1)
+    p.observe_round(
+        RoundDecision("drafter", num_masks=3, num_pending=2),
+        num_sent=3,
+        num_accepted=1,
+        confidences=[0.9, 0.4, 0.3],
+        draft_seconds=0.1,
+        verify_seconds=0.1,
+    )
     p.observe_lookup(6, 2)
     state = json.loads(json.dumps(p.state_dict()))
     q = DraftPolicy(flat(1.0), None, max_drafts=15)
@@ -480,8 +550,14 @@ def test_default_cache_dir(monkeypatch, tmp_path):
 
 def _trained_policy() -> DraftPolicy:
     p = DraftPolicy(CostCurve(FP32), CostCurve({1: 0.07, 16: 0.12}), max_drafts=15)
-    p.observe_round(RoundDecision("drafter", num_masks=2, num_pending=2), num_sent=2, num_accepted=1,
-                    confidences=[0.8, 0.6], draft_seconds=0.09, verify_seconds=0.1)
+    p.observe_round(
+        RoundDecision("drafter", num_masks=2, num_pending=2),
+        num_sent=2,
+        num_accepted=1,
+        confidences=[0.8, 0.6],
+        draft_seconds=0.09,
+        verify_seconds=0.1,
+    )
     return p
 
 
@@ -553,6 +629,18 @@ def test_calibration_store_ignores_unusable_files(monkeypatch, tmp_path, content
 def test_calibration_store_rejects_unsafe_keys(tmp_path):
     with pytest.raises(ValueError):
         CalibrationStore(str(tmp_path)).path("../escape")
+
+
+def test_calibration_store_that_cannot_write_warns_once(tmp_path, caplog):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder should be")
+    store = CalibrationStore(str(blocker / "cost_curves"))
+    with caplog.at_level("INFO", logger="d3d_hf.modeling.calibration_d3d"):
+        assert store.save("k1", {"a": 1}) is None and store.save("k2", {"a": 2}) is None
+        assert CalibrationStore(str(blocker / "cost_curves")).save("k1", {"a": 3}) is None
+    levels = [r.levelname for r in caplog.records if "Could not save" in r.getMessage()]
+    assert levels == ["WARNING", "INFO", "INFO"]
+    assert store.load("k2") == {"a": 2}  # kept in memory
 
 
 # ---- measure_cost_curves -------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ class AlternatingPolicy(DraftPolicy):
         super().__init__(CostCurve({1: 1.0}), CostCurve({1: 1.0}), max_drafts=max_drafts)
         self.calls = 0
 
-    def decide(self, num_pending, lookup_tokens=0, max_candidates=None):
+    def decide(self, num_pending, lookup_tokens=0, max_candidates=None, lookup_ngram_size=None):
         self.calls += 1
         limit = self.max_drafts if max_candidates is None else min(self.max_drafts, max_candidates)
         turn = self.calls % 3
@@ -42,8 +42,7 @@ class AlternatingPolicy(DraftPolicy):
 
 def _greedy(target, ids, drafter=None, max_new_tokens=40, **options):
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, **options)
-    return target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
-                           generation_config=config)
+    return target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, generation_config=config)
 
 
 def _repetitive_prompt(seed: int = 0) -> torch.LongTensor:
@@ -100,8 +99,17 @@ def test_mixed_sources_sampling_preserves_the_target_distribution():
     sources = {"lookup": 0, "drafter": 0, "target": 0}
     rejected_lookup = 0
     for _ in range(n):
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, do_sample=True,
-                              temperature=temperature, top_k=top_k, top_p=1.0, max_new_tokens=2, pad_token_id=0)
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            assistant_model=drafter,
+            do_sample=True,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=1.0,
+            max_new_tokens=2,
+            pad_token_id=0,
+        )
         a, b = out[0, -2:].tolist()
         counts[a * vocab + b] += 1
         stats = drafter.last_generation_stats
@@ -119,8 +127,9 @@ def test_engine_takes_plain_target_steps_when_drafting_cannot_pay():
     warm-up round), no draft pass after the first."""
     target = tiny_target("llama")
     drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
-    drafter.draft_policy = DraftPolicy(CostCurve({1: 0.05, 16: 0.06}), CostCurve({1: 0.1, 16: 0.12}), max_drafts=3,
-                                       explore_every=None)
+    drafter.draft_policy = DraftPolicy(
+        CostCurve({1: 0.05, 16: 0.06}), CostCurve({1: 0.1, 16: 0.12}), max_drafts=3, explore_every=None
+    )
     ids = random_prompt(9)
     calls = []
     original = drafter.draft_logits
@@ -134,8 +143,7 @@ def test_engine_takes_plain_target_steps_when_drafting_cannot_pay():
 def test_engine_drafts_every_round_when_verification_is_free():
     target = tiny_target("llama", sharpen=4.0)
     drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
-    drafter.draft_policy = DraftPolicy(CostCurve({1: 0.05, 16: 0.05}), CostCurve({1: 0.001, 64: 0.001}),
-                                       max_drafts=3)
+    drafter.draft_policy = DraftPolicy(CostCurve({1: 0.05, 16: 0.05}), CostCurve({1: 0.001, 64: 0.001}), max_drafts=3)
     ids = random_prompt(9)
     out = _greedy(target, ids, drafter, max_new_tokens=20, d3d_prompt_lookup=False)
     assert torch.equal(out, _greedy(target, ids, max_new_tokens=20))

@@ -252,7 +252,7 @@ METHODS: dict[str, BenchMethod] = {}
 DEFAULT_METHODS = ("target", "d3d")
 """Methods `run_benchmark` runs when none are given."""
 
-RESOURCE_HINTS = {"drafter": "--drafter DIR", "assistant": "--assistant DIR"}
+RESOURCE_HINTS = {"drafter": "--drafter DIR", "assistant": "--assistant ar-smollm2-135m-instruct (shipped) or DIR"}
 """How a user supplies each resource on the command line (for error messages)."""
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -30,6 +31,28 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _non_negative_int(value: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {number}")
+    return number
+
+
+def _finite_float(value: str) -> float:
+    """argparse type: a finite number (no nan or inf)."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {value!r}")
+    return number
+
+
 def _layer_ids(value: str) -> list[int]:
     """argparse type for --layer-ids: comma-separated, distinct, non-negative integers."""
     try:
@@ -42,11 +65,14 @@ def _layer_ids(value: str) -> list[int]:
 
 
 def _float_list(value: str) -> list[float]:
-    """argparse type: comma-separated numbers."""
+    """argparse type: comma-separated finite numbers, at least one."""
     try:
-        return [float(x) for x in value.split(",") if x.strip()]
+        numbers = [float(x) for x in value.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 2,3.5, got {value!r}") from None
+    if not numbers or not all(math.isfinite(x) for x in numbers):
+        raise argparse.ArgumentTypeError(f"expected comma-separated finite numbers like 2,3.5, got {value!r}")
+    return numbers
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +87,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("init-drafter", help="create a D3D drafter from an autoregressive model of the same tokenizer")
     p.add_argument("--from", dest="source", required=True, help="target/source model: known name, folder or hub id")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--num-layers", type=int, default=None, help="copy the first N layers (default: all)")
+    group.add_argument("--num-layers", type=_positive_int, default=None, help="copy the first N layers (default: all)")
     group.add_argument("--layer-ids", type=_layer_ids, default=None, help="comma-separated source layer indices")
     p.add_argument("--block-size", type=_positive_int, default=16, help="draft block size B (default 16)")
     p.add_argument("--output", required=True, help="folder to write the drafter to")
@@ -72,12 +98,12 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="target model (default: the drafter's recorded target)")
     p.add_argument("--drafter", required=True, help="drafter folder")
     p.add_argument("--prompt", required=True, help="user message (sent through the chat template)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=256)
     p.add_argument("--block-size", type=_positive_int, default=None, help="override the drafter's block size")
     p.add_argument("--do-sample", action="store_true", help="sample (lossless speculative sampling)")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--temperature", type=_finite_float, default=None, help="sampling temperature > 0 (--do-sample)")
+    p.add_argument("--top-k", type=_non_negative_int, default=None, help="top-k sampling, 0 = off (--do-sample)")
+    p.add_argument("--top-p", type=_finite_float, default=None, help="nucleus sampling, in (0, 1] (--do-sample)")
     p.add_argument("--seed", type=int, default=0)
     _add_common(p)
 
@@ -91,12 +117,13 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--assistant",
         default=None,
-        help="autoregressive assistant (causal LM folder with the target's tokenizer; needed for method ar-assist)",
+        help="autoregressive assistant for method ar-assist: a shipped one (ar-smollm2-135m-instruct, the "
+        "equal-budget counterpart of the shipped drafter) or a causal LM folder with the target's tokenizer",
     )
     p.add_argument("--prompts", default="humaneval", help="humaneval, gsm8k, mt-bench, vicuna-bench or a JSONL file")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts (after --offset)")
     p.add_argument("--offset", type=int, default=0, help="skip the first N prompts (to run a long set in shards)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
     p.add_argument("--methods", default="target,d3d", help="comma-separated: target,pld,ar-assist,d3d,d3d-async")
     p.add_argument("--block-size", type=_positive_int, default=None, help="override the drafter's block size")
     p.add_argument(
@@ -176,7 +203,10 @@ def _build_parser() -> argparse.ArgumentParser:
     rule = p.add_mutually_exclusive_group(required=True)
     rule.add_argument("--num-layers", type=_positive_int, default=None, help="prune down to this many layers")
     rule.add_argument(
-        "--min-tau-retention", type=float, default=None, help="stop before tau falls below this fraction (e.g. 0.99)"
+        "--min-tau-retention",
+        type=_finite_float,
+        default=None,
+        help="stop before tau falls below this fraction (e.g. 0.99)",
     )
     p.add_argument("--output", required=True, help="folder for the pruned drafter, the path JSON/PNG and the state")
     p.add_argument("--overwrite", action="store_true", help="allow writing into a non-empty folder without a state")
@@ -190,9 +220,9 @@ def _build_parser() -> argparse.ArgumentParser:
         help="comma-separated sources: stdlib[:N], JSONL file[:N] (never an evaluation set: humaneval, gsm8k, ...)",
     )
     p.add_argument("--output", required=True, help="folder for shards, settings and the dataset (resumed if re-run)")
-    p.add_argument("--max-new-tokens", type=int, default=192)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), else sampling")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=192)
+    p.add_argument("--temperature", type=_finite_float, default=0.0, help="0 = greedy (default), else sampling")
+    p.add_argument("--batch-size", type=_positive_int, default=8)
     p.add_argument("--seed", type=int, default=0, help="stdlib prompt shuffle and sampling seed")
     p.add_argument("--overwrite", action="store_true", help="delete an earlier run in --output and start over")
     _add_common(p)
@@ -227,6 +257,58 @@ def _init_drafter(args) -> int:
     return 0
 
 
+def _check_drafter_options(args) -> None:
+    """Checks the options that depend on the drafter (its block size, its layers) against its config alone, before
+    any model loads: `--block-size` (against the drafter's context), `--num-drafts`, `--num-hypotheses`,
+    `--worker-threads` (bench) and `--num-layers` (prune).
+
+    Raises:
+        ValueError: naming the flag and the values it may take.
+    """
+    num_drafts = getattr(args, "num_drafts", None)
+    hypotheses = getattr(args, "num_hypotheses", None)
+    workers = getattr(args, "worker_threads", None)
+    if workers is not None:
+        most = max(os.cpu_count() or 1, torch.get_num_threads())
+        if workers > most:
+            raise ValueError(
+                f"--worker-threads {workers} is more than this machine's {most} CPU threads: pass at most {most}"
+            )
+    prune_layers = getattr(args, "num_layers", None) if args.command == "prune" else None
+    given_block = getattr(args, "block_size", None)
+    needs_config = num_drafts not in (None, "adaptive", "full") or hypotheses is not None or prune_layers is not None
+    needs_config = needs_config or given_block is not None
+    if not getattr(args, "drafter", None) or not needs_config:
+        return
+    from .drafters import load_drafter_config
+
+    config = load_drafter_config(args.drafter)
+    if given_block is not None and given_block > config.max_position_embeddings:
+        raise ValueError(
+            f"--block-size {given_block} is longer than the drafter's context ({config.max_position_embeddings} "
+            "tokens, `max_position_embeddings`): pass a smaller --block-size (the drafter's own is "
+            f"{config.block_size})"
+        )
+    block_size = given_block or config.block_size
+    origin = "--block-size" if getattr(args, "block_size", None) else f"the drafter's block size ({args.drafter})"
+    if num_drafts not in (None, "adaptive", "full") and int(num_drafts) > block_size - 1:
+        raise ValueError(
+            f"--num-drafts {num_drafts} is more than a block of {block_size} tokens ({origin}) drafts: pass a number "
+            f"in 0..{block_size - 1}, 'full' or 'adaptive'"
+            + (", or a larger --block-size" if getattr(args, "block_size", None) else "")
+        )
+    if hypotheses is not None and hypotheses > block_size:
+        raise ValueError(
+            f"--num-hypotheses {hypotheses} is more than the block size {block_size} ({origin}): pass a number in "
+            f"1..{block_size}"
+        )
+    if prune_layers is not None and prune_layers >= config.num_hidden_layers:
+        raise ValueError(
+            f"--num-layers {prune_layers} must be below the drafter's {config.num_hidden_layers} layers: pass a "
+            f"number in 1..{config.num_hidden_layers - 1}"
+        )
+
+
 def _load_pair(args):
     from .drafters import load_drafter
     from .targets import load_target
@@ -250,6 +332,17 @@ def _generate(args) -> int:
 
     from .prompts import Prompt, encode_prompt
 
+    sampling = {"--temperature": args.temperature, "--top-k": args.top_k, "--top-p": args.top_p}
+    given = [flag for flag, value in sampling.items() if value is not None]
+    if given and not args.do_sample:
+        raise ValueError(
+            f"{', '.join(given)} only apply when sampling: add --do-sample, or drop them for greedy decoding"
+        )
+    if args.temperature is not None and args.temperature <= 0:
+        raise ValueError(f"--temperature must be > 0, got {args.temperature} (for greedy decoding drop --do-sample)")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    _check_drafter_options(args)
     _, target, tokenizer, drafter = _load_pair(args)
     torch.manual_seed(args.seed)
     input_ids = encode_prompt(tokenizer, Prompt(id="cli", messages=[{"role": "user", "content": args.prompt}]))
@@ -281,11 +374,17 @@ def _check_output_file(output: Path | None, overwrite: bool, flag: str = "--outp
 
 
 def _load_assistant(name: str, dtype: str, tokenizer, target):
-    """Loads an autoregressive assistant and checks that it shares the target's tokenizer."""
+    """Loads an autoregressive assistant (`assistants.load_assistant`: a shipped name, a layers-only folder that takes
+    the target's embeddings, or any causal LM) and checks that it shares the target's tokenizer."""
+    from .assistants import is_layers_only, load_assistant, resolve_assistant
     from .targets import load_target
 
     try:
-        assistant, assistant_tokenizer = load_target(name, dtype=dtype)
+        folder = resolve_assistant(name)
+        if is_layers_only(folder):  # built around the target's own embeddings: its tokenizer is the target's
+            assistant, assistant_tokenizer = load_assistant(folder, target=target, dtype=dtype), tokenizer
+        else:
+            assistant, assistant_tokenizer = load_target(folder, dtype=dtype)
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot load --assistant {name!r}: {err}") from err
     vocab = assistant.config.get_text_config().vocab_size
@@ -328,7 +427,8 @@ def _bench(args) -> int:
         m, needed = missing
         if needed not in given:
             raise ValueError(f"method {m} needs a {needed}, which the command line cannot give")
-        raise ValueError(f"method {m} needs --{needed}")
+        hint = " (the shipped one: --assistant ar-smollm2-135m-instruct)" if needed == "assistant" else ""
+        raise ValueError(f"method {m} needs --{needed}{hint}")
     output = Path(args.output) if args.output else None
     _check_output_file(output, args.overwrite)
     output_dir = Path(args.output_dir) if args.output_dir else None
@@ -347,6 +447,7 @@ def _bench(args) -> int:
     prompts = prompts[: args.limit] if args.limit is not None else prompts
     if not args.drafter and not args.target:
         raise ValueError("give --target (or --drafter, whose recorded target is used)")
+    _check_drafter_options(args)
     target_name, target, tokenizer, drafter = _load_pair(args)
     assistant = _load_assistant(args.assistant, args.dtype, tokenizer, target) if args.assistant else None
 
@@ -455,6 +556,9 @@ def _cost_model(args) -> int:
         raise ValueError("give --target and/or --drafter")
     if any(not 0 <= h <= 1 for h in args.hit_rate):
         raise ValueError(f"--hit-rate values must be in [0, 1], got {args.hit_rate}")
+    if any(t < 1 for t in args.tau):
+        raise ValueError(f"--tau values must be >= 1 (tokens committed per target forward), got {args.tau}")
+    _check_drafter_options(args)
     target_name, target, _, drafter = _load_pair(args)
     cost = measure_cost_model(target, drafter, prefix_length=args.prefix_length, repeats=args.repeats)
     cost.settings.update(target=target_name, drafter=args.drafter)
@@ -500,6 +604,8 @@ def _data(args) -> int:
     from .data import generate_dataset, load_prompt_sources
     from .targets import load_target
 
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     prompts = load_prompt_sources(args.prompts, seed=args.seed)
     target, tokenizer = load_target(args.target, dtype=args.dtype)
     print(f"[data] {len(prompts)} prompts from {args.prompts!r}; writing to {args.output}", file=sys.stderr)
@@ -539,24 +645,28 @@ def _add_hub_commands(sub) -> None:
     p.add_argument("--tag", action="append", default=[], help="extra card tag (repeatable)")
     p.add_argument("--license", default=None, help="license id for the card")
     p.add_argument("--overwrite-card", action="store_true", help="replace a README.md not generated by d3d-hf")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
 
     p = sub.add_parser("convert", help="make a D3D drafter from a Llama/Qwen3 checkpoint folder or a published D3D one")
     p.add_argument("--from", dest="source", required=True, help="local checkpoint folder (config.json + safetensors)")
     p.add_argument("--output", required=True, help="folder to write the drafter to")
     p.add_argument("--published-d3d", action="store_true", help="the folder is a published D3D checkpoint")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--num-layers", type=int, default=None, help="copy the first N layers (default: all)")
+    group.add_argument("--num-layers", type=_positive_int, default=None, help="copy the first N layers (default: all)")
     group.add_argument("--layer-ids", type=_layer_ids, default=None, help="comma-separated source layer indices")
-    p.add_argument("--block-size", type=int, default=None, help="draft block size B (default 16, or the checkpoint's)")
+    p.add_argument(
+        "--block-size", type=_positive_int, default=None, help="draft block size B (default 16, or the checkpoint's)"
+    )
     mask = p.add_mutually_exclusive_group()
-    mask.add_argument("--mask-token-id", type=int, default=None, help="spare vocabulary id to use as the mask token")
+    mask.add_argument(
+        "--mask-token-id", type=_non_negative_int, default=None, help="spare vocabulary id to use as the mask token"
+    )
     mask.add_argument("--mask-embedding", action="store_true", help="use a separate mask embedding, not a spare id")
     p.add_argument("--source-name", default=None, help="name/Hub id recorded as the source (default: the folder)")
     p.add_argument("--target", default=None, help="name/Hub id recorded as the target (default: the source)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weight dtype")
     p.add_argument("--overwrite", action="store_true", help="allow writing into a non-empty folder")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
 def _push(args) -> int:
@@ -573,10 +683,16 @@ def _push(args) -> int:
     if not isinstance(config, D3DConfig):
         raise ValueError(f"{folder} holds a `{config.model_type}` model, not a D3D drafter.")
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32
+    results = []  # read (and their files checked) before the drafter loads
+    for path in args.results:
+        if not Path(path).is_file():
+            raise FileNotFoundError(
+                f"No results file at --results {path}; write one with `d3d-hf bench --output FILE`."
+            )
+        results.append(result_from_benchmark(json.loads(Path(path).read_text()), hardware=args.hardware))
     drafter = load_drafter(str(folder), dtype=dtype)
     card = load_card_data(folder) or DrafterCardData()
-    for path in args.results:
-        card.results.append(result_from_benchmark(json.loads(Path(path).read_text()), hardware=args.hardware))
+    card.results.extend(results)
     card.target_model = args.target_model or card.target_model
     card.base_model = args.base_model or card.base_model
     card.datasets = card.datasets + [d for d in args.dataset if d not in card.datasets]
@@ -669,11 +785,8 @@ def _prune(args) -> int:
     prompts = load_prompt_sources(args.prompts)[args.offset : args.offset + args.limit]
     if not prompts:
         raise ValueError(f"--prompts {args.prompts} with --offset {args.offset} leaves no prompt")
+    _check_drafter_options(args)
     target_name, target, tokenizer, drafter = _load_pair(args)
-    if args.num_layers is not None and args.num_layers >= drafter.config.num_hidden_layers:
-        raise ValueError(
-            f"--num-layers {args.num_layers} must be below the drafter's {drafter.config.num_hidden_layers} layers"
-        )
     prompts_ids = [encode_prompt(tokenizer, p)[0].tolist() for p in prompts]
     pruned, steps = prune_drafter(
         drafter,

@@ -67,16 +67,16 @@ def _check_local_drafter_folder(folder: str) -> None:
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def _load_adapter_drafter(folder: str, dtype, device: str) -> D3DForDiffusionDrafting:
-    """A PEFT adapter folder: its base drafter (`base_model_name_or_path`, relative to the folder or as given)
-    loaded by `load_drafter`, the adapter applied through PEFT and merged in."""
-    try:
-        from peft import PeftModel
-    except ImportError as err:  # pragma: no cover - peft is in the train extra
-        raise ValueError(
-            f"{folder} holds a PEFT adapter: loading it needs peft (pip install 'd3d-hf[train]')."
-        ) from err
+def _adapter_base(folder: str) -> str | None:
+    """For a local PEFT adapter folder (`adapter_config.json`, no `config.json`), its base drafter
+    (`base_model_name_or_path`, relative to the folder when that exists, else as given); `None` for anything else.
+
+    Raises:
+        ValueError: if the adapter config is not valid JSON or names no base drafter.
+    """
     config_file = os.path.join(folder, ADAPTER_CONFIG)
+    if not os.path.isfile(config_file) or os.path.isfile(os.path.join(folder, "config.json")):
+        return None
     try:
         with open(config_file, encoding="utf-8") as f:
             base = json.load(f).get("base_model_name_or_path")
@@ -88,9 +88,19 @@ def _load_adapter_drafter(folder: str, dtype, device: str) -> D3DForDiffusionDra
             "drafter the adapter was trained on."
         )
     relative = os.path.join(folder, base)
-    drafter = load_drafter(relative if os.path.isdir(relative) else base, dtype=dtype, device=device)
-    if not isinstance(drafter, D3DForDiffusionDrafting):  # pragma: no cover - load_drafter checks the type
-        raise ValueError(f"The base of the adapter in {folder} is not a D3D drafter.")
+    return relative if os.path.isdir(relative) else base
+
+
+def _load_adapter_drafter(folder: str, base: str, dtype, device: str) -> D3DForDiffusionDrafting:
+    """A PEFT adapter folder: its base drafter loaded by `load_drafter`, the adapter applied through PEFT and merged
+    in."""
+    try:
+        from peft import PeftModel
+    except ImportError as err:  # pragma: no cover - peft is in the train extra
+        raise ValueError(f"{folder} holds a PEFT adapter: loading it needs peft (pip install 'd3d-hf[train]').") from (
+            err
+        )
+    drafter = load_drafter(base, dtype=dtype, device=device)
     return PeftModel.from_pretrained(drafter, folder).merge_and_unload().to(device).eval()
 
 
@@ -122,10 +132,32 @@ def load_drafter(
         OSError: if a weights file is truncated or corrupt.
     """
     name_or_path = resolve_drafter(name_or_path)
+    base = _adapter_base(name_or_path)
+    if base is not None:
+        return _load_adapter_drafter(name_or_path, base, dtype, device)
+    load_drafter_config(name_or_path)
+    drafter = AutoModel.from_pretrained(name_or_path, dtype=parse_dtype(dtype))
+    return drafter.to(device).eval()
+
+
+def load_drafter_config(name_or_path: str) -> D3DConfig:
+    """Reads only a saved drafter's config (no weights): what `load_drafter` checks first, and what the CLI checks
+    its options against before any model loads.
+
+    Args:
+        name_or_path (`str`): as for `load_drafter` (for a PEFT adapter folder, its base drafter's config).
+
+    Returns:
+        The drafter's `D3DConfig` (validated: `D3DConfig.from_dict`).
+
+    Raises:
+        FileNotFoundError, ValueError: as `load_drafter` raises them for the folder and the config.
+    """
+    name_or_path = resolve_drafter(name_or_path)
+    base = _adapter_base(name_or_path)
+    if base is not None:  # a PEFT adapter folder: its base drafter's config (the adapter changes no config field)
+        return load_drafter_config(base)
     looks_local = os.path.sep in name_or_path or name_or_path.startswith(".") or os.path.exists(name_or_path)
-    is_adapter = os.path.isfile(os.path.join(name_or_path, ADAPTER_CONFIG))
-    if looks_local and is_adapter and not os.path.isfile(os.path.join(name_or_path, "config.json")):
-        return _load_adapter_drafter(name_or_path, dtype, device)
     if looks_local:
         _check_local_drafter_folder(name_or_path)
     try:
@@ -140,8 +172,14 @@ def load_drafter(
             f"{name_or_path} holds a `{config.model_type}` model, not a D3D drafter (model_type 'd3d'); create one "
             "with `d3d-hf init-drafter`."
         )
-    drafter = AutoModel.from_pretrained(name_or_path, dtype=parse_dtype(dtype))
-    return drafter.to(device).eval()
+    return config
 
 
-__all__ = ["KNOWN_DRAFTERS", "D3DForDiffusionDrafting", "ensure_writable_dir", "load_drafter", "resolve_drafter"]
+__all__ = [
+    "KNOWN_DRAFTERS",
+    "D3DForDiffusionDrafting",
+    "ensure_writable_dir",
+    "load_drafter",
+    "load_drafter_config",
+    "resolve_drafter",
+]

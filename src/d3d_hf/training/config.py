@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from trl import SFTConfig
@@ -60,10 +61,12 @@ class D3DTrainingConfig(SFTConfig):
 
     Raises:
         ValueError: for an unknown `train_mode`, a mask ratio outside (0, 1], `anchors_per_sequence < 1`, a negative
-            loss weight, both loss weights 0, `block_loss_weight=0` with `train_mode="block_adapter"` (nothing
-            would train), `max_length < 2`, or an SFTConfig option the D3D objective cannot honour (`packing`,
-            `padding_free`, `gradient_checkpointing`, `loss_type` other than "nll", `label_smoothing_factor`,
-            `router_aux_loss_coef`).
+            or non-finite loss weight, both loss weights 0, `block_loss_weight=0` with `train_mode="block_adapter"`
+            (nothing would train), `block_size` (when given) or `max_length` below 2, a rank below 1, a
+            `position_weight_gamma` or LoRA alpha that is not a finite number > 0, `tau_eval_steps < 0` or
+            `tau_eval_max_new_tokens < 1`, each naming the field; or an SFTConfig option the D3D objective cannot
+            honour (`packing`, `padding_free`, `gradient_checkpointing`, `loss_type` other than "nll",
+            `label_smoothing_factor`, `router_aux_loss_coef`).
     """
 
     block_size: int | None = field(default=None, metadata={"help": "Draft block size B (default: the drafter's)."})
@@ -113,10 +116,35 @@ class D3DTrainingConfig(SFTConfig):
                 "denoising + next-token loss on one padded sequence per row, blocks never crossing rows), and D3D "
                 "drafters do not support gradient checkpointing. Leave these options at their defaults."
             )
-        if self.max_length is not None and self.max_length < 2:
-            raise ValueError(f"`max_length` must be >= 2 (or None for no limit), got {self.max_length}.")
         if self.train_mode not in ("block_adapter", "full", "peft"):
             raise ValueError(f"`train_mode` must be block_adapter, full or peft, got {self.train_mode!r}.")
+        whole = {
+            "block_size": (self.block_size, 2, "None (the drafter's) or a block size such as 16"),
+            "max_length": (self.max_length, 2, "512 (or None: no limit)"),
+            "block_lora_rank": (self.block_lora_rank, 1, "32"),
+            "peft_lora_rank": (self.peft_lora_rank, 1, "16"),
+            "tau_eval_steps": (self.tau_eval_steps, 0, "0 (never) or a step interval"),
+            "tau_eval_max_new_tokens": (self.tau_eval_max_new_tokens, 1, "64"),
+        }
+        for name, (value, low, example) in whole.items():
+            if value is None and name in ("block_size", "max_length"):  # the drafter's / no limit
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"`{name}` must be a whole number >= {low}, got {value!r}: set --{name} to {example}.")
+        positive = {
+            "position_weight_gamma": self.position_weight_gamma,
+            "block_lora_alpha": self.block_lora_alpha,
+            "peft_lora_alpha": self.peft_lora_alpha,
+        }
+        for name, value in positive.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(
+                    f"`{name}` must be a finite number > 0, got {value!r}: set --{name} (default "
+                    f"{self.__dataclass_fields__[name].default})."
+                )
+        for name in ("mask_ratio_min", "mask_ratio_max", "ar_loss_weight", "block_loss_weight"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"`{name}` must be a finite number, got {getattr(self, name)!r}.")
         if not 0 < self.mask_ratio_min <= self.mask_ratio_max <= 1:
             raise ValueError(
                 f"Need 0 < mask_ratio_min <= mask_ratio_max <= 1, got {self.mask_ratio_min}, {self.mask_ratio_max}."

@@ -55,6 +55,22 @@ class D3DTrainScriptArguments:
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads."})
     overwrite: bool = field(default=False, metadata={"help": "Allow a non-empty output_dir without resuming."})
 
+    def __post_init__(self):
+        """Checks the values before anything loads.
+
+        Raises:
+            ValueError: naming the flag, for `num_layers` or `threads` below 1, `init_block_size` below 2 (training
+                needs a mask), `tau_holdout` below 0, or a `dtype` other than float32, bfloat16, float16.
+        """
+        for name, low in (("num_layers", 1), ("init_block_size", 2), ("tau_holdout", 0), ("threads", 1)):
+            value = getattr(self, name)
+            if value is None and name in ("num_layers", "threads"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"--{name} must be a whole number >= {low}, got {value!r}.")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}.")
+
 
 def load_training_dataset(path: str):
     """Loads training rows: a `datasets.save_to_disk` folder (`path` or `path/dataset`, as `d3d-hf data` writes) or
@@ -131,12 +147,16 @@ def train_drafter(script: D3DTrainScriptArguments, config: D3DTrainingConfig) ->
         raise FileExistsError(
             f"{output} is not empty: pass --resume_from_checkpoint auto to continue a run there, or --overwrite."
         )
-    target, tokenizer = load_target(script.target, dtype=script.dtype)
-    dataset = load_training_dataset(script.data)
+    if config.tau_eval_steps and script.tau_holdout < 1:
+        raise ValueError("--tau_eval_steps measures tau on the --tau_holdout rows: pass --tau_holdout 1 or more.")
+    dataset = load_training_dataset(script.data)  # the data and the drafter's config are checked before the target
     if len(dataset) <= script.tau_holdout:
         raise ValueError(f"The dataset has {len(dataset)} rows; need more than --tau_holdout {script.tau_holdout}.")
-    if script.tau_holdout < 0:
-        raise ValueError(f"--tau_holdout must be >= 0, got {script.tau_holdout}.")
+    if script.drafter:
+        from ..drafters import load_drafter_config
+
+        load_drafter_config(script.drafter)
+    target, tokenizer = load_target(script.target, dtype=script.dtype)
     train_rows = dataset.select(range(len(dataset) - script.tau_holdout))
     held_out = [dataset[i] for i in range(len(dataset) - script.tau_holdout, len(dataset))]
     tau_prompts = (
