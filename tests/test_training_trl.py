@@ -393,3 +393,22 @@ def test_trainer_refuses_evaluation_prompts(target, evaluation_set, tmp_path):
     by_id = Dataset.from_list([{"id": leaked.id, "prompt_ids": [5], "response_ids": [6]}])
     with pytest.raises(ValueError, match="never train"):
         D3DTrainer(_drafter(target), _config(tmp_path), train_dataset=by_id, processing_class=_tokenizer())
+
+
+def test_adapter_folder_names_a_base_drafter_that_has_a_folder(target, conversations, tmp_path, monkeypatch):
+    """A drafter loaded from a folder is named by that folder's absolute path (found from any working directory);
+    no copy of it is saved next to the adapter."""
+    _drafter(target).save_pretrained(tmp_path / "base", tokenizer=_tokenizer())
+    monkeypatch.chdir(tmp_path)
+    trainer = D3DTrainer(
+        load_drafter("base"), _config(tmp_path / "run", train_mode="peft", peft_lora_rank=2, max_steps=1,
+                                      peft_save_merged=False),
+        train_dataset=conversations, processing_class=_tokenizer(),
+    )  # fmt: skip
+    trainer.train()
+    trainer.save_model(str(tmp_path / "adapter"))
+    adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str((tmp_path / "base").resolve())
+    assert not (tmp_path / "adapter" / "base_drafter").exists()
+    monkeypatch.chdir(tmp_path / "run")
+    _assert_lossless(target, load_drafter(str(tmp_path / "adapter")))
