@@ -1,0 +1,97 @@
+"""The shipped drafter's draft pass against the target's own forward over the same number of new rows (issue 14's
+"at most 1.05x" criterion), with the block adapters fused (the inference path), per projection (the training path)
+and removed (the drafter's bare layers, which are the target's).
+
+One process, the four variants interleaved per repeat so that drift of the machine hits all of them alike; medians.
+Run it alone on the machine:
+
+    python benchmarks/draft_pass_cost.py --dtype float32 --threads 2 [--repeats 25] [--output FILE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import d3d_hf.modeling.modeling_d3d as modeling
+import torch
+from d3d_hf.modeling.calibration_d3d import cpu_model
+
+from d3d_hf.costmodel import _prefilled_drafter_cache
+from d3d_hf.drafters import load_drafter
+from d3d_hf.targets import load_target
+
+ROWS = (1, 2, 4, 8, 16)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=25)
+    parser.add_argument("--context", type=int, default=256, help="cached tokens before each timed forward")
+    parser.add_argument("--output", help="also write the table to this markdown file")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, _ = load_target("smollm2-135m-instruct", dtype=args.dtype)
+    drafter = load_drafter("d3d-smollm2-135m-instruct", dtype=args.dtype)
+    drafter.attach_target_weights(target)
+    fused_rule = modeling._fused_adapters_apply
+    variants = ("target", "fused", "per-projection", "no adapters")
+    times = {(v, q): [] for v in variants for q in ROWS}
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        cache = _prefilled_drafter_cache(drafter, args.context, 16, g, target)
+        target_cache = target(torch.randint(0, 49152, (1, args.context), generator=g), use_cache=True).cache
+        for rep in range(args.repeats + 3):
+            for q in ROWS:
+                anchor = torch.randint(0, 49152, (1, 1), generator=g)
+                rows = torch.randint(0, 49152, (1, q), generator=g)
+                for variant in variants:
+                    start = time.perf_counter()
+                    if variant == "target":
+                        target(input_ids=rows, cache=target_cache, use_cache=True)
+                        elapsed = time.perf_counter() - start
+                        target_cache.crop(-q)
+                    else:
+                        rank = drafter.config.block_lora_rank
+                        if variant == "no adapters":
+                            drafter.config.block_lora_rank = 0
+                        elif variant == "per-projection":
+                            modeling._fused_adapters_apply = lambda projections, rows: False
+                        try:
+                            drafter.draft_logits(anchor, cache, num_masks=q - 1)  # 1 committed token + q - 1 masks
+                            elapsed = time.perf_counter() - start
+                        finally:
+                            drafter.config.block_lora_rank = rank
+                            modeling._fused_adapters_apply = fused_rule
+                        cache.crop(args.context)
+                    if rep >= 3:
+                        times[(variant, q)].append(elapsed)
+    cpu = cpu_model()
+    lines = [
+        f"Draft pass vs target forward, SmolLM2-135M-Instruct + d3d-smollm2-135m-instruct, {args.dtype}, "
+        f"{args.threads} threads, {args.context} cached tokens, median of {args.repeats}; CPU {cpu.get('model')} "
+        f"({', '.join(k for k, v in cpu.items() if v is True)}). Command: `python benchmarks/draft_pass_cost.py "
+        f"--dtype {args.dtype} --threads {args.threads} --repeats {args.repeats}`",
+        "",
+        "| rows | target ms | drafter, fused adapters | per-projection adapters | no adapters |",
+        "|---|---|---|---|---|",
+    ]
+    for q in ROWS:
+        base = statistics.median(times[("target", q)])
+        cells = [f"{1e3 * base:.1f}"]
+        for variant in variants[1:]:
+            t = statistics.median(times[(variant, q)])
+            cells.append(f"{1e3 * t:.1f} ({t / base:.2f}x)")
+        lines.append(f"| {q} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.output:
+        with open(args.output, "a", encoding="utf-8") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
