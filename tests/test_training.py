@@ -234,7 +234,6 @@ def test_peft_adapter_round_trip(target, dataset, tmp_path):
 def test_two_processes_match_one_process_with_doubled_accumulation(tmp_path):
     """2 CPU processes (torch.distributed, gloo; what `accelerate launch` starts) give the loss curve and weights of
     1 process with 2 gradient-accumulation steps."""
-    import json
     import subprocess
     import sys
     from pathlib import Path
@@ -258,19 +257,13 @@ def test_two_processes_match_one_process_with_doubled_accumulation(tmp_path):
         capture_output=True, text=True, timeout=600, check=False,
     )
     assert one.returncode == 0, one.stderr[-3000:]
-    two_run = json.loads((tmp_path / "two.json").read_text())
-    one_run = json.loads((tmp_path / "one.json").read_text())
-    assert two_run["world_size"] == 2 and one_run["world_size"] == 1
-    assert len(two_run["loss"]) == len(one_run["loss"]) == 5
-    assert two_run["loss"] == pytest.approx(one_run["loss"], rel=1e-4)
-    assert two_run["param_sums"] == pytest.approx(one_run["param_sums"], rel=1e-4, abs=1e-4)
+    _assert_two_processes_match_one(tmp_path)
 
 
 @pytest.mark.slow
 def test_accelerate_launch_two_processes_match_one_process_with_doubled_accumulation(tmp_path):
     """`accelerate launch --config_file examples/accelerate/multi_cpu.yaml` (2 CPU processes, gloo) gives the loss
     curve and weights of 1 process with 2 gradient-accumulation steps (about 1 minute on 2 busy cores: marked slow)."""
-    import json
     import os
     import subprocess
     import sys
@@ -292,12 +285,7 @@ def test_accelerate_launch_two_processes_match_one_process_with_doubled_accumula
         capture_output=True, text=True, timeout=600, check=False, env=env,
     )  # fmt: skip
     assert one.returncode == 0, one.stderr[-3000:]
-    two_run = json.loads((tmp_path / "two.json").read_text())
-    one_run = json.loads((tmp_path / "one.json").read_text())
-    assert two_run["world_size"] == 2 and one_run["world_size"] == 1
-    assert len(two_run["loss"]) == len(one_run["loss"]) == 5
-    assert two_run["loss"] == pytest.approx(one_run["loss"], rel=1e-4)
-    assert two_run["param_sums"] == pytest.approx(one_run["param_sums"], rel=1e-4, abs=1e-4)
+    _assert_two_processes_match_one(tmp_path)
 
 
 def test_ar_loss_has_no_gradient_on_block_adapters(target, dataset):
@@ -614,3 +602,16 @@ def test_train_command_resumes_from_the_last_complete_checkpoint(target, tmp_pat
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _assert_two_processes_match_one(tmp_path):
+    """The 2-process run (two.json) and the 1-process run with doubled accumulation (one.json) of
+    tests/scripts/train_tiny.py have the same 5 losses and trained weights."""
+    import json
+
+    two_run = json.loads((tmp_path / "two.json").read_text())
+    one_run = json.loads((tmp_path / "one.json").read_text())
+    assert two_run["world_size"] == 2 and one_run["world_size"] == 1
+    assert len(two_run["loss"]) == len(one_run["loss"]) == 5
+    assert two_run["loss"] == pytest.approx(one_run["loss"], rel=1e-4)
+    assert two_run["param_sums"] == pytest.approx(one_run["param_sums"], rel=1e-4, abs=1e-4)

@@ -20,26 +20,23 @@ def _num_drafts(value: str) -> str:
     raise argparse.ArgumentTypeError(f"must be 'adaptive', 'full' or a whole number >= 0, got {value!r}")
 
 
-def _positive_int(value: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {number}")
-    return number
+def _int_at_least(low: int, words: str):
+    """An argparse type: an integer >= `low`, described as `words` in its error."""
+
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {words}, got {value!r}") from None
+        if number < low:
+            raise argparse.ArgumentTypeError(f"expected {words}, got {number}")
+        return number
+
+    return parse
 
 
-def _non_negative_int(value: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value!r}") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {number}")
-    return number
+_positive_int = _int_at_least(1, "a positive integer")
+_non_negative_int = _int_at_least(0, "a whole number >= 0")
 
 
 def _finite_float(value: str) -> float:
