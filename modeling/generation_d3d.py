@@ -22,10 +22,12 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .calibration_d3d import CalibrationStore, policy_for
 from .configuration_d3d import validate_config
+from .decoding_d3d import install_decoding_hook, remove_decoding_hook
 from .drafting_d3d import D3DCache
 from .lookup_d3d import lookup_match
 from .policy_d3d import DraftPolicy
 from .runtime_d3d import PackedPassWorker, RoundClock, default_worker_threads, timed
+from .tree_d3d import DraftTree, build_draft_tree
 
 #: transformers releases the hook was tested with (inclusive lower, exclusive upper bound).
 SUPPORTED_TRANSFORMERS = ("5.24.0", "5.30.0")
@@ -53,6 +55,13 @@ ASYNC_OPTIONS = {"d3d_async": False, "d3d_num_hypotheses": 4, "d3d_reuse_on_miss
 #: before the policy); `d3d_prompt_lookup` makes n-gram matches in the prompt and the generated text a free
 #: candidate source (adaptive mode only)
 POLICY_OPTIONS = {"d3d_num_drafts": "adaptive", "d3d_prompt_lookup": True}
+#: per-call options of D3D's own decoding loop (`decoding_d3d`), read like `ASYNC_OPTIONS`: `d3d_decoding_loop` is
+#: `"d3d"` (D3D's loop) or `"transformers"` (transformers' assisted-generation loop, chain verification only);
+#: `d3d_tree_budget` is `None` (chain verification: exactly transformers' rounds), `"adaptive"` (a draft tree whose
+#: node count, 0 to `block_size`, maximises expected tokens per second on the verify cost curve) or a whole number
+#: `n >= 1` (a tree of at most `n` nodes every drafter round); `d3d_tree_branching` is the drafter candidates per
+#: depth (>= 1)
+TREE_OPTIONS = {"d3d_decoding_loop": "d3d", "d3d_tree_budget": None, "d3d_tree_branching": 4}
 """Defaults; `d3d_num_hypotheses` is at most the block size when not set; `d3d_worker_threads=None` gives the CPU
 worker half of the calling thread's torch intra-op threads (at least one)."""
 
@@ -104,6 +113,9 @@ class D3DGenerationStats:
         round_candidates (`list[int]`): per round, the candidates sent for verification (the chosen `k`).
         cost_curves_ms (`dict`, *optional*): the adaptive policy's cost curves when the call started, milliseconds by
             new rows (`{"verify": {rows: ms}, "draft": {rows: ms}}`); `None` for a fixed `d3d_num_drafts`.
+        decoding_loop (`str`): the loop that ran the call: `"d3d"` (`decoding_d3d`) or `"transformers"`.
+        tree_budget (`int` or `str`, *optional*): `d3d_tree_budget` of the call (`None`: chain verification); with a
+            tree, `round_candidates` counts the nodes verified per round and `acceptance_lengths` the path plus one.
     """
 
     rounds: int = 0
@@ -126,6 +138,8 @@ class D3DGenerationStats:
     round_sources: list[str] = field(default_factory=list)
     round_candidates: list[int] = field(default_factory=list)
     cost_curves_ms: dict[str, dict[int, float]] | None = None
+    decoding_loop: str = "transformers"
+    tree_budget: int | str | None = None
 
     def record_round_plan(self, source: str, num_candidates: int) -> None:
         """Records where a round's candidates came from and how many were sent."""
@@ -234,7 +248,7 @@ class D3DCandidateGenerator(CandidateGenerator):
                 raise ValueError("`stop_strings` need the tokenizer: pass `tokenizer=...` to `generate`.")
             self.stop_string_criteria = StopStringCriteria(target_tokenizer, generation_config.stop_strings)
         options = {}
-        for name in (*ASYNC_OPTIONS, *POLICY_OPTIONS):
+        for name in (*ASYNC_OPTIONS, *POLICY_OPTIONS, *TREE_OPTIONS):
             value = getattr(generation_config, name, None)
             if value is None:
                 value = getattr(getattr(drafter, "generation_config", None), name, None)
@@ -264,12 +278,14 @@ class D3DCandidateGenerator(CandidateGenerator):
                 f"threads, whichever is larger; None for half of torch's threads), got {threads!r}."
             )
         self._setup_policy(options, target)
+        self._setup_tree(options)
         self.cache = D3DCache()  # a new, empty drafter state for every `generate` call
         self.stats = D3DGenerationStats(
             asynchronous=self.asynchronous,
             num_hypotheses=self.num_hypotheses if self.asynchronous else 0,
             policy=self.policy_mode,
             asynchronous_off_reason=self._async_off_reason,
+            tree_budget=self.tree_budget,
         )
         if self.policy_mode == "adaptive" and self.policy.verify_curve is not None:
             self.stats.cost_curves_ms = {
@@ -324,6 +340,187 @@ class D3DCandidateGenerator(CandidateGenerator):
             # engine drafts synchronously there; a fixed `d3d_num_drafts` keeps asynchronous drafting on
             self.asynchronous = False
             self._async_off_reason = "cpu: the packed pass and the verification share the cores"
+
+    def _setup_tree(self, options: dict[str, Any]) -> None:
+        """Validates the decoding-loop and tree options (see `TREE_OPTIONS`)."""
+        loop = options["d3d_decoding_loop"]
+        loop = TREE_OPTIONS["d3d_decoding_loop"] if loop is None else loop
+        if loop not in ("d3d", "transformers"):
+            raise ValueError(f"`d3d_decoding_loop` must be 'd3d' or 'transformers' (or None for 'd3d'), got {loop!r}.")
+        self.decoding_loop = loop
+        budget = options["d3d_tree_budget"]
+        if budget is not None and budget != "adaptive":
+            number = _whole_number(budget)
+            if number is None or number < 1:
+                raise ValueError(
+                    f"`d3d_tree_budget` must be None (chain verification), 'adaptive' or a whole number of nodes >= 1, "
+                    f"got {budget!r}."
+                )
+            budget = number
+        branching = options["d3d_tree_branching"]
+        branching = TREE_OPTIONS["d3d_tree_branching"] if branching is None else branching
+        self.tree_branching = _whole_number(branching)
+        if self.tree_branching is None or self.tree_branching < 1:
+            raise ValueError(f"`d3d_tree_branching` must be a whole number >= 1, got {branching!r}.")
+        self.tree_budget = budget
+        if budget is not None and loop == "transformers":
+            raise ValueError(
+                "`d3d_tree_budget` needs D3D's own decoding loop: transformers' assisted-generation loop verifies one "
+                "chain. Drop `d3d_decoding_loop='transformers'` (or set `d3d_tree_budget=None`)."
+            )
+        if budget is not None and self.asynchronous:
+            raise ValueError(
+                "Tree verification drafts synchronously: `d3d_tree_budget` cannot be combined with `d3d_async=True`. "
+                "Set one of them to its default."
+            )
+
+    def get_tree(self, input_ids: torch.LongTensor) -> DraftTree:
+        """One round of tree drafting: the nodes to verify after `input_ids` (D3D's own loop, `d3d_tree_budget`).
+
+        The policy decides the round as for a chain (`DraftPolicy.decide`). A drafter round runs one draft pass with
+        every mask the remaining length allows and spends the node budget best-first on the block's per-depth
+        distributions (after the target's logits processors, on the likeliest chain's history), estimated by the
+        policy's calibrated acceptance, with the prompt-lookup match (if any) as an extra branch
+        (`tree_d3d.build_draft_tree`); a drafter that shares the target's weights drafts depth 1 exactly, so depth 1
+        does not branch. With `d3d_tree_budget="adaptive"` the tree is cut to the node count that maximises
+        expected tokens per second, `(1 + sum of path probabilities) / (draft seconds + t_verify(1 + nodes))`. A
+        lookup round is the lookup chain; a target round an empty tree.
+
+        Args:
+            input_ids (`torch.LongTensor` of shape `(1, seq_len)`): the committed sequence.
+
+        Returns:
+            `DraftTree`: nodes parents first (empty for a plain target step). Greedy: every node is a fixed token;
+            sampling: only the depth-1 node of an exact drafter is a sample (`tree.proposals`).
+        """
+        self.round_clock.start_draft()
+        self._round = None
+        cur_len = input_ids.shape[1]
+        limit = min(self.block_size - 1, self.max_length - cur_len - 1)
+        tree = DraftTree()
+        if limit <= 0:
+            return self._finish_tree_round(tree, "target", None, None, None)
+        lookup, ngram_size = None, None
+        if self.prompt_lookup:
+            lookup, ngram_size = lookup_match(input_ids, num_tokens=limit, eos_token_id=self.eos_token_ids or None)
+        num_pending = cur_len - self.cache.get_seq_length()
+        decision = self.policy.decide(
+            num_pending,
+            0 if lookup is None else lookup.shape[1],
+            max_candidates=limit,
+            lookup_ngram_size=ngram_size or None,
+        )
+        allow = None
+        if self.stop_string_criteria is not None:
+            prefix = input_ids
+
+            def allow(path: list[int]) -> bool:
+                extended = torch.cat([prefix, prefix.new_tensor([path])], dim=1)
+                return not bool(self.stop_string_criteria(extended, None).any())
+
+        if decision.source == "lookup":
+            tokens = lookup[0, : decision.num_lookup].tolist()
+            chain = [(tokens, [1.0] * len(tokens))]
+            tree = build_draft_tree(
+                torch.zeros((0, 1)), len(tokens), extra_chains=chain, stop_tokens=self.eos_token_ids, allow=allow
+            )
+            return self._finish_tree_round(tree, "lookup", decision, None, None)
+        if decision.source != "drafter" or decision.num_masks == 0:
+            return self._finish_tree_round(tree, "target", decision, None, None)
+        committed = input_ids[:, self.cache.get_seq_length() :].to(self._draft_device())
+        num_masks = limit if self._fixed_num_drafts is None else self._fixed_num_drafts
+        block_logits, draft_seconds = timed(
+            lambda: self.drafter.draft_logits(committed, self.cache, num_masks=num_masks)[0]
+        )
+        chain_drafts, scores = self._choose_drafts(input_ids, block_logits.float()[:num_masks])
+        if not scores:
+            return self._finish_tree_round(tree, "target", decision, None, draft_seconds)
+        probabilities = torch.cat(scores, dim=0).softmax(dim=-1)
+        extra = []
+        if lookup is not None and self.policy_mode == "adaptive":
+            tokens = lookup[0].tolist()
+            extra.append((tokens, self.policy.lookup.probabilities(len(tokens), ngram_size or None)))
+        exact_first = bool(getattr(self.drafter.config, "shares_target_weights", False))
+        budget = self.block_size if self.tree_budget == "adaptive" else self.tree_budget
+        tree = build_draft_tree(
+            probabilities,
+            budget,
+            acceptance=self.policy.calibrator.probabilities,
+            exact_first=exact_first,
+            sample_first=exact_first and self.do_sample,
+            extra_chains=extra,
+            branching=self.tree_branching,
+            stop_tokens=self.eos_token_ids,
+            allow=allow,
+        )
+        if self.tree_budget == "adaptive" and self.policy.verify_curve is not None:
+            tree = tree.prefix(self._adaptive_tree_size(tree, num_pending_target=1, draft_seconds=draft_seconds))
+        primary = self._primary_chain(tree, probabilities)
+        return self._finish_tree_round(tree, "drafter", decision, primary, draft_seconds)
+
+    def _adaptive_tree_size(self, tree: DraftTree, num_pending_target: int, draft_seconds: float) -> int:
+        """Node count `n` in `[0, len(tree)]` that maximises `(1 + sum_{i < n} P_i) / (draft_seconds +
+        t_verify(num_pending_target + n))`; near-ties (the policy's tolerance) go to the smaller tree."""
+        best_n, best_rate, expected = 0, None, 1.0
+        rates = []
+        for n in range(len(tree) + 1):
+            if n:
+                expected += tree.probabilities[n - 1]
+            rates.append(expected / (draft_seconds + self.policy.verify_curve(num_pending_target + n)))
+        top = max(rates)
+        for n, rate in enumerate(rates):
+            if rate >= top * (1 - self.policy.tie_tolerance):
+                best_n, best_rate = n, rate
+                break
+        return best_n
+
+    @staticmethod
+    def _primary_chain(tree: DraftTree, probabilities: torch.Tensor) -> tuple[list[int], list[float]]:
+        """The tree's likeliest drafter chain (each node's first drafter child, from the root) and the drafter's
+        confidence of each of its tokens: what the policy's calibrator learns from after the round."""
+        nodes, confidences, node = [], [], -1
+        while True:
+            child = next((c for c in tree.children(node) if tree.sources[c] == "drafter"), None)
+            depth = len(nodes)
+            if child is None or depth >= probabilities.shape[0]:
+                return nodes, confidences
+            nodes.append(child)
+            confidences.append(float(probabilities[depth, tree.tokens[child]]))
+            node = child
+
+    def _finish_tree_round(self, tree: DraftTree, source: str, decision, primary, draft_seconds) -> DraftTree:
+        self._round = (decision, tree, primary, draft_seconds)
+        self.stats.record_round_plan(source, len(tree))
+        self.stats.drafted_tokens += len(tree)
+        self.round_clock.end_draft()
+        return tree
+
+    def update_tree_strategy(self, input_ids: torch.LongTensor, tree: DraftTree, path: list[int]) -> None:
+        """Records the outcome of one tree verification: `path`, the accepted nodes (after eos and length
+        cropping), the last of which is followed by one more committed token."""
+        verify_seconds = self.round_clock.end_verify()
+        decision, _, primary, draft_seconds = self._round
+        if decision is not None:
+            first_round = self.stats.rounds == 0  # its verification includes the prefill
+            if decision.source == "drafter" and primary is not None:
+                nodes, confidences = primary
+                accepted = 0
+                while accepted < len(nodes) and accepted < len(path) and path[accepted] == nodes[accepted]:
+                    accepted += 1
+                num_sent, kwargs = len(nodes), {"confidences": confidences, "draft_seconds": draft_seconds}
+            else:
+                num_sent, accepted, kwargs = len(tree), len(path), {}
+                if decision.source == "target":
+                    num_sent = accepted = 0
+            self.policy.observe_round(
+                decision,
+                num_sent=num_sent,
+                num_accepted=accepted,
+                verify_seconds=None if first_round else verify_seconds,
+                verify_rows=len(tree) + 1,
+                **kwargs,
+            )
+        self._record_outcome(input_ids, len(path))
 
     def get_candidates(
         self, input_ids: torch.LongTensor, **kwargs: Any
@@ -559,6 +756,10 @@ class D3DCandidateGenerator(CandidateGenerator):
                 draft_seconds=draft_seconds,
                 verify_seconds=verify_seconds if self.stats.rounds > 0 else None,  # round 1 includes the prefill
             )
+        self._record_outcome(input_ids, num_matches)
+
+    def _record_outcome(self, input_ids: torch.LongTensor, num_matches: int) -> None:
+        """The statistics of one verified round, and what happens when it is the call's last."""
         self.stats.rounds += 1
         self.stats.accepted_drafts += num_matches
         self.stats.new_tokens += num_matches + 1
@@ -699,6 +900,7 @@ def install_generation_hook() -> None:
     current = GenerationMixin._get_candidate_generator
     if getattr(current, _HOOK_ATTRIBUTE, False):
         _install_validation_hook()
+        install_decoding_hook()
         return
     parameters = inspect.signature(current).parameters
     if any(name not in parameters for name in _EXPECTED_FACTORY_PARAMETERS):
@@ -755,6 +957,7 @@ def install_generation_hook() -> None:
     _get_candidate_generator._d3d_original = original
     GenerationMixin._get_candidate_generator = _get_candidate_generator
     _install_validation_hook()
+    install_decoding_hook()
 
 
 def _install_validation_hook() -> None:
@@ -781,7 +984,9 @@ def _install_validation_hook() -> None:
 
 
 def remove_generation_hook() -> None:
-    """Restores transformers' own candidate-generator factory (a no-op when the hook is not installed)."""
+    """Restores transformers' own candidate-generator factory, `_validate_generation_mode` and `_assisted_decoding`
+    (a no-op when the hook is not installed)."""
+    remove_decoding_hook()
     for name in ("_get_candidate_generator", "_validate_generation_mode"):
         current = getattr(GenerationMixin, name, None)
         if getattr(current, _HOOK_ATTRIBUTE, False):
