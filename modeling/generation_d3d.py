@@ -6,6 +6,7 @@ loaded with `trust_remote_code=True` (without d3d_hf installed) decodes with D3D
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
@@ -25,6 +26,7 @@ from .configuration_d3d import validate_config
 from .decoding_d3d import install_decoding_hook, remove_decoding_hook
 from .drafting_d3d import D3DCache
 from .lookup_d3d import lookup_match
+from .estimates_d3d import expected_tokens
 from .policy_d3d import DraftPolicy
 from .runtime_d3d import PackedPassWorker, RoundClock, default_worker_threads, timed
 from .tree_d3d import DraftTree, build_draft_tree
@@ -404,12 +406,20 @@ class D3DCandidateGenerator(CandidateGenerator):
         if self.prompt_lookup:
             lookup, ngram_size = lookup_match(input_ids, num_tokens=limit, eos_token_id=self.eos_token_ids or None)
         num_pending = cur_len - self.cache.get_seq_length()
+        budget = self.block_size if self.tree_budget == "adaptive" else self.tree_budget
+        gains = self.policy.__dict__.setdefault("tree_gains", {})  # in memory, per (budget, branching)
+        gain_key = (budget, self.tree_branching)
+        tree_plan = (budget, gains[gain_key]) if gain_key in gains else None
         decision = self.policy.decide(
             num_pending,
             0 if lookup is None else lookup.shape[1],
             max_candidates=limit,
             lookup_ngram_size=ngram_size or None,
+            tree=tree_plan if self.policy_mode == "adaptive" else None,
         )
+        if self.policy_mode == "adaptive" and tree_plan is None and self.policy.draft_curve is not None:
+            # warm-up: no tree of this size was built yet, so its gain over a chain is unknown; draft one
+            decision = dataclasses.replace(decision, source="drafter", num_masks=limit, num_lookup=0, explore=True)
         allow = None
         if self.stop_string_criteria is not None:
             prefix = input_ids
@@ -441,7 +451,6 @@ class D3DCandidateGenerator(CandidateGenerator):
             tokens = lookup[0].tolist()
             extra.append((tokens, self.policy.lookup.probabilities(len(tokens), ngram_size or None)))
         exact_first = bool(getattr(self.drafter.config, "shares_target_weights", False))
-        budget = self.block_size if self.tree_budget == "adaptive" else self.tree_budget
         tree = build_draft_tree(
             probabilities,
             budget,
@@ -453,9 +462,16 @@ class D3DCandidateGenerator(CandidateGenerator):
             stop_tokens=self.eos_token_ids,
             allow=allow,
         )
+        primary = self._primary_chain(tree, probabilities)
+        chain_estimates = self.policy.calibrator.probabilities(primary[1])
+        if exact_first and chain_estimates:
+            chain_estimates[0] = 1.0  # as the tree counts it
+        chain_expected = expected_tokens(chain_estimates, len(chain_estimates)) - 1.0
+        if chain_expected > 0:  # the tree's expected accepted drafts over the chain's, for the next decisions
+            ratio = tree.expected_accepted / chain_expected
+            gains[gain_key] = ratio if gain_key not in gains else 0.8 * gains[gain_key] + 0.2 * ratio
         if self.tree_budget == "adaptive" and self.policy.verify_curve is not None:
             tree = tree.prefix(self._adaptive_tree_size(tree, num_pending_target=1, draft_seconds=draft_seconds))
-        primary = self._primary_chain(tree, probabilities)
         return self._finish_tree_round(tree, "drafter", decision, primary, draft_seconds)
 
     def _adaptive_tree_size(self, tree: DraftTree, num_pending_target: int, draft_seconds: float) -> int:

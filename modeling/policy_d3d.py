@@ -295,10 +295,17 @@ class DraftPolicy:
             )
         return num_pending
 
-    def _drafter_options(self, num_pending: int, limit: int) -> list[_Option]:
+    def _drafter_options(
+        self, num_pending: int, limit: int, tree: tuple[int, float] | None = None
+    ) -> list[_Option]:
         if self.draft_curve is None or limit < 1:
             return []
         profile = self.calibrator.position_profile(limit)
+        if tree is not None:  # a tree round: every mask, `nodes` verified, accepted drafts `gain` x the chain's
+            nodes, gain = tree
+            seconds = self.draft_curve(num_pending + limit) + self._verify(nodes + 1)
+            expected = 1.0 + gain * (expected_tokens(profile, limit) - 1.0)
+            return [_Option("drafter", limit, _rate(expected, seconds), seconds)]
         out = []
         for m in range(1, limit + 1):
             seconds = self.draft_curve(num_pending + m) + self._verify(m + 1)
@@ -471,6 +478,7 @@ class DraftPolicy:
         lookup_tokens: int = 0,
         max_candidates: int | None = None,
         lookup_ngram_size: int | None = None,
+        tree: tuple[int, float] | None = None,
     ) -> RoundDecision:
         """Decides the next round (call once per round, before drafting; advances the exploration counters).
 
@@ -480,6 +488,11 @@ class DraftPolicy:
             max_candidates (`int`, *optional*): most candidates this round may send (room before `max_length`).
             lookup_ngram_size (`int`, *optional*): size of the n-gram the lookup tokens matched
                 (`lookup_d3d.lookup_match`); the lookup estimate is kept per size.
+            tree (`tuple[int, float]`, *optional*): the drafter round is a draft tree (D3D's own loop): `(nodes,
+                gain)`, the nodes it verifies and its expected accepted drafts as a multiple of the chain's (both
+                from the same calibrated estimates, `D3DCandidateGenerator.get_tree`); the only drafter option is
+                then a pass with every allowed mask, rated `(1 + gain * (expected_tokens(q, m) - 1)) / (t_draft(c +
+                m) + t_verify(nodes + 1))`. Adaptive mode only.
 
         Returns:
             `RoundDecision`. For `"drafter"`, run `draft_logits(committed, cache, num_masks=decision.num_masks)`,
@@ -513,15 +526,20 @@ class DraftPolicy:
                 expected_rate=rate,
             )
         else:
-            decision = self._decide_adaptive(num_pending, limit, lookup_limit, lookup_ngram_size)
+            decision = self._decide_adaptive(num_pending, limit, lookup_limit, lookup_ngram_size, tree)
         self._advance(decision, lookup_limit > 0)
         return decision
 
     def _decide_adaptive(
-        self, num_pending: int, limit: int, lookup_limit: int, lookup_ngram_size: int | None
+        self,
+        num_pending: int,
+        limit: int,
+        lookup_limit: int,
+        lookup_ngram_size: int | None,
+        tree: tuple[int, float] | None = None,
     ) -> RoundDecision:
         target = _Option("target", 0, self.target_rate(), self._verify(1))
-        drafter = self._drafter_options(num_pending, limit)
+        drafter = self._drafter_options(num_pending, limit, tree)
         lookup = self._lookup_options(lookup_limit, ngram_size=lookup_ngram_size)
         # one pick over every option, so that the tie rule does not depend on the order of comparison
         chosen = _pick([target, *drafter, *lookup], self.tie_tolerance)
@@ -537,7 +555,7 @@ class DraftPolicy:
                 and drafter_usable
                 and (warm_drafter or self._since_drafter + 1 >= self._drafter_interval)
             ):
-                chosen = drafter[limit - 1]  # every allowed mask
+                chosen = drafter[-1]  # every allowed mask
                 explore = True
                 if not warm_drafter:
                     self._drafter_interval = min(

@@ -326,6 +326,23 @@ def _d3d_kwargs(resources: Mapping[str, Any]) -> dict[str, Any]:
     return {"assistant_model": resources["drafter"], "generation_config": GenerationConfig(**options)}
 
 
+def _tree_budget(resources: Mapping[str, Any]) -> int | str:
+    """`d3d_tree_budget` of the `d3d-tree` method (`--tree-budget`): a node count (default 16) or "adaptive"."""
+    value = resources.get("tree_budget") or 16
+    return int(value) if str(value).isdigit() else str(value)
+
+
+def _d3d_tree_kwargs(resources: Mapping[str, Any]) -> dict[str, Any]:
+    from transformers import GenerationConfig
+
+    options = {**_policy_options(resources), "d3d_tree_budget": _tree_budget(resources)}
+    return {"assistant_model": resources["drafter"], "generation_config": GenerationConfig(**options)}
+
+
+def _d3d_tree_settings(resources: Mapping[str, Any]) -> dict[str, Any]:
+    return {**_d3d_settings(resources), "tree_budget": _tree_budget(resources)}
+
+
 def _d3d_async_options(resources: Mapping[str, Any]) -> dict[str, Any]:
     block_size = resources["drafter"].config.block_size
     hypotheses = int(resources.get("num_hypotheses") or min(4, block_size))
@@ -369,6 +386,19 @@ register_method(
         requires=("drafter",),
         settings=_d3d_async_settings,
         cost_model="async",
+    )
+)
+
+
+register_method(
+    BenchMethod(
+        "d3d-tree",
+        "D3D with tree verification in D3D's own loop (best-first draft trees; `tree_budget` nodes at most)",
+        _d3d_tree_kwargs,
+        read_stats=lambda r, recorder: d3d_round_stats(r["drafter"].last_generation_stats),
+        requires=("drafter",),
+        settings=_d3d_tree_settings,
+        cost_model="sync",
     )
 )
 

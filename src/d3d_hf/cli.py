@@ -20,6 +20,13 @@ def _num_drafts(value: str) -> str:
     raise argparse.ArgumentTypeError(f"must be 'adaptive', 'full' or a whole number >= 0, got {value!r}")
 
 
+def _tree_budget(value: str) -> str:
+    """`--tree-budget`: 'adaptive' or a whole number of nodes >= 1."""
+    if value == "adaptive" or (value.isdigit() and int(value) >= 1):
+        return value
+    raise argparse.ArgumentTypeError(f"must be 'adaptive' or a whole number of nodes >= 1, got {value!r}")
+
+
 def _int_at_least(low: int, words: str):
     """An argparse type: an integer >= `low`, described as `words` in its error."""
 
@@ -146,6 +153,13 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         help="d3d, d3d-async: drafts per round: 'adaptive' (the default: the cost-aware engine), 'full' (block size - 1"
         " every round, the engine before the policy) or a number",
+    )
+    p.add_argument(
+        "--tree-budget",
+        type=_tree_budget,
+        default="16",
+        help="d3d-tree: most draft-tree nodes verified per round (default 16), or 'adaptive' (chosen per round from "
+        "the verify cost curve, at most the block size)",
     )
     p.add_argument("--prompt-lookup-num-tokens", type=_positive_int, default=10, help="pld: tokens per draft")
     p.add_argument("--max-matching-ngram-size", type=_positive_int, default=2, help="pld: longest n-gram matched")
@@ -478,6 +492,7 @@ def _bench(args) -> int:
             "reuse_on_miss": args.reuse_on_miss,
             "worker_threads": args.worker_threads,
             "num_drafts": args.num_drafts,
+            "tree_budget": args.tree_budget,
         },
     )
     result["settings"] = {
