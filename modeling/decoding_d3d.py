@@ -161,6 +161,10 @@ def d3d_assisted_decoding(
         model_kwargs=model_kwargs,
     )
     generator.stats.decoding_loop = "d3d"
+    if generator.can_share_target_cache(target) and all(
+        type(layer).__name__ == "DynamicLayer" for layer in getattr(cache, "layers", [None])
+    ):
+        generator.share_target_cache(cache)
     tree_mode = generator.tree_budget is not None
     if tree_mode and getattr(cache, "layers", None):
         check_tree_cache(cache)

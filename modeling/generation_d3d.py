@@ -63,7 +63,15 @@ POLICY_OPTIONS = {"d3d_num_drafts": "adaptive", "d3d_prompt_lookup": True}
 #: node count, 0 to `block_size`, maximises expected tokens per second on the verify cost curve) or a whole number
 #: `n >= 1` (a tree of at most `n` nodes every drafter round); `d3d_tree_branching` is the drafter candidates per
 #: depth (>= 1)
-TREE_OPTIONS = {"d3d_decoding_loop": "d3d", "d3d_tree_budget": None, "d3d_tree_branching": 4}
+#: `d3d_share_target_cache` (D3D's own loop, synchronous drafting): a drafter whose committed-token keys and values
+#: are the target's own (it shares the target's weights and runs the target's first layers, in order) attends to the
+#: target's cache instead of re-running the committed tokens in a cache of its own; `False` keeps its own cache
+TREE_OPTIONS = {
+    "d3d_decoding_loop": "d3d",
+    "d3d_tree_budget": None,
+    "d3d_tree_branching": 4,
+    "d3d_share_target_cache": True,
+}
 """Defaults; `d3d_num_hypotheses` is at most the block size when not set; `d3d_worker_threads=None` gives the CPU
 worker half of the calling thread's torch intra-op threads (at least one)."""
 
@@ -118,6 +126,7 @@ class D3DGenerationStats:
         decoding_loop (`str`): the loop that ran the call: `"d3d"` (`decoding_d3d`) or `"transformers"`.
         tree_budget (`int` or `str`, *optional*): `d3d_tree_budget` of the call (`None`: chain verification); with a
             tree, `round_candidates` counts the nodes verified per round and `acceptance_lengths` the path plus one.
+        shared_target_cache (`bool`): the draft passes attended to the target's cache (`d3d_share_target_cache`).
     """
 
     rounds: int = 0
@@ -142,6 +151,7 @@ class D3DGenerationStats:
     cost_curves_ms: dict[str, dict[int, float]] | None = None
     decoding_loop: str = "transformers"
     tree_budget: int | str | None = None
+    shared_target_cache: bool = False
 
     def record_round_plan(self, source: str, num_candidates: int) -> None:
         """Records where a round's candidates came from and how many were sent."""
@@ -365,6 +375,11 @@ class D3DCandidateGenerator(CandidateGenerator):
         if self.tree_branching is None or self.tree_branching < 1:
             raise ValueError(f"`d3d_tree_branching` must be a whole number >= 1, got {branching!r}.")
         self.tree_budget = budget
+        share = options["d3d_share_target_cache"]
+        if share is not None and not isinstance(share, bool):
+            raise ValueError(f"`d3d_share_target_cache` must be True or False (or None for True), got {share!r}.")
+        self._share_requested = TREE_OPTIONS["d3d_share_target_cache"] if share is None else share
+        self._target_cache = None
         if budget is not None and loop == "transformers":
             raise ValueError(
                 "`d3d_tree_budget` needs D3D's own decoding loop: transformers' assisted-generation loop verifies one "
@@ -375,6 +390,41 @@ class D3DCandidateGenerator(CandidateGenerator):
                 "Tree verification drafts synchronously: `d3d_tree_budget` cannot be combined with `d3d_async=True`. "
                 "Set one of them to its default."
             )
+
+    def can_share_target_cache(self, target) -> bool:
+        """Whether this call's drafter computes, for committed tokens, exactly the target's keys and values: it shares
+        the target's weights (attached to `target`), its layers are the target's first layers in order
+        (`source_layer_ids` 0, 1, ...; block adapters touch only the block rows), and drafting is synchronous."""
+        config = self.drafter.config
+        layers = list(config.source_layer_ids or range(config.num_hidden_layers))
+        return (
+            self._share_requested
+            and not self.asynchronous
+            and bool(getattr(config, "shares_target_weights", False))
+            and getattr(self.drafter, "_attached_target", None) is target
+            and layers == list(range(len(layers)))
+        )
+
+    def share_target_cache(self, cache) -> None:
+        """Makes every later draft pass attend to the target's `cache` (a `DynamicCache` that D3D's loop keeps at
+        the committed tokens before the last one) instead of the drafter's own (`can_share_target_cache` must hold).
+        The pass ingests only the tokens the target has not cached (the last committed token, or the prompt before
+        the first verification) and never changes `cache`."""
+        self._target_cache = cache
+        self.stats.shared_target_cache = True
+
+    def _pass_cache(self) -> D3DCache:
+        """The cache the next synchronous draft pass extends: the drafter's own, or a view of the target's (its
+        layers' tensors, not copied; the pass appends to the view, never to the target's cache)."""
+        if self._target_cache is None:
+            return self.cache
+        view = D3DCache()
+        for layer in self._target_cache.layers[: self.drafter.config.num_hidden_layers]:
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                return view  # nothing cached yet (before the prefill)
+            view.key_cache.append(layer.keys)
+            view.value_cache.append(layer.values)
+        return view
 
     def get_tree(self, input_ids: torch.LongTensor) -> DraftTree:
         """One round of tree drafting: the nodes to verify after `input_ids` (D3D's own loop, `d3d_tree_budget`).
@@ -405,7 +455,8 @@ class D3DCandidateGenerator(CandidateGenerator):
         lookup, ngram_size = None, None
         if self.prompt_lookup:
             lookup, ngram_size = lookup_match(input_ids, num_tokens=limit, eos_token_id=self.eos_token_ids or None)
-        num_pending = cur_len - self.cache.get_seq_length()
+        cache = self._pass_cache()
+        num_pending = cur_len - cache.get_seq_length()
         budget = self.block_size if self.tree_budget == "adaptive" else self.tree_budget
         gains = self.policy.__dict__.setdefault("tree_gains", {})  # in memory, per (budget, branching)
         gain_key = (budget, self.tree_branching)
@@ -437,11 +488,9 @@ class D3DCandidateGenerator(CandidateGenerator):
             return self._finish_tree_round(tree, "lookup", decision, None, None)
         if decision.source != "drafter" or decision.num_masks == 0:
             return self._finish_tree_round(tree, "target", decision, None, None)
-        committed = input_ids[:, self.cache.get_seq_length() :].to(self._draft_device())
+        committed = input_ids[:, cache.get_seq_length() :].to(self._draft_device())
         num_masks = limit if self._fixed_num_drafts is None else self._fixed_num_drafts
-        block_logits, draft_seconds = timed(
-            lambda: self.drafter.draft_logits(committed, self.cache, num_masks=num_masks)[0]
-        )
+        block_logits, draft_seconds = timed(lambda: self.drafter.draft_logits(committed, cache, num_masks=num_masks)[0])
         chain_drafts, scores = self._choose_drafts(input_ids, block_logits.float()[:num_masks])
         if not scores:
             return self._finish_tree_round(tree, "target", decision, None, draft_seconds)
@@ -562,7 +611,8 @@ class D3DCandidateGenerator(CandidateGenerator):
         lookup, ngram_size = None, None
         if self.prompt_lookup:
             lookup, ngram_size = lookup_match(input_ids, num_tokens=limit, eos_token_id=self.eos_token_ids or None)
-        num_pending = cur_len - self.cache.get_seq_length()
+        cache = self._pass_cache()
+        num_pending = cur_len - cache.get_seq_length()
         decision = self.policy.decide(
             num_pending,
             0 if lookup is None else lookup.shape[1],
@@ -573,12 +623,12 @@ class D3DCandidateGenerator(CandidateGenerator):
         if decision.source == "lookup":
             drafts, scores = self._lookup_drafts(input_ids, lookup[0, : decision.num_lookup].tolist())
         elif decision.source == "drafter" and decision.num_masks > 0:
-            committed = input_ids[:, self.cache.get_seq_length() :].to(self._draft_device())
+            committed = input_ids[:, cache.get_seq_length() :].to(self._draft_device())
             # a fixed number of drafts keeps its block whole near `max_length` (masks attend to each other, so the
             # number of masks changes the drafts); the adaptive engine computes only the rows it may send
             num_masks = self._fixed_num_drafts if self._fixed_num_drafts is not None else decision.num_masks
             block_logits, draft_seconds = timed(
-                lambda: self.drafter.draft_logits(committed, self.cache, num_masks=num_masks)[0]
+                lambda: self.drafter.draft_logits(committed, cache, num_masks=num_masks)[0]
             )
             drafts, scores = self._choose_drafts(input_ids, block_logits.float()[: decision.num_masks])
             if drafts:

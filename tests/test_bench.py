@@ -146,7 +146,7 @@ def test_every_method_matches_the_target_and_reports_rounds(pair):
         progress=False,
         prompt_lookup_num_tokens=3,
     )
-    assert list(result["summary"]) == ["target", "pld", "ar-assist", "d3d", "d3d-async"]
+    assert list(result["summary"]) == ["target", "pld", "ar-assist", "d3d", "d3d-async", "d3d-tree"]
     for method, runs in result["runs"].items():
         for run in runs:
             assert run["matches_target"], (method, run["prompt_id"])
@@ -166,6 +166,7 @@ def test_every_method_matches_the_target_and_reports_rounds(pair):
     assert result["method_settings"]["ar-assist"]["num_assistant_tokens"] == 20
     assert result["method_settings"]["d3d"]["block_size"] == 4
     assert result["method_settings"]["d3d-async"]["hypotheses"] == 4
+    assert result["method_settings"]["d3d-tree"]["tree_budget"] == 16
     assert result["method_settings"]["d3d-async"]["worker_threads"] == max(1, torch.get_num_threads() // 2)
     assert result["summary"]["d3d"]["hit_rate"] is None
     assert 0.0 <= result["summary"]["d3d-async"]["hit_rate"] <= 1.0

@@ -452,3 +452,64 @@ def test_policy_rates_a_tree_round_with_its_gain_and_nodes():
     dear = DraftPolicy(verify_curve=CostCurve({1: 0.05, 17: 0.5}), draft_curve=draft, max_drafts=15,
                        explore_every=None)
     assert dear.decide(1, max_candidates=15, tree=(16, 6.0)).source == "target"
+
+
+def _sharing_drafter(target, block_size=6):
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=block_size, shares_target_weights=True,
+                                                          block_lora_rank=4)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "lora" in name:
+                p.add_(0.05 * torch.randn_like(p))
+    return drafter
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("budget", [None, 6])
+def test_drafter_attends_to_the_target_cache(family, budget):
+    """A drafter that runs the target's own layers reads the committed tokens' keys and values from the target's
+    cache: every pass after the first ingests one token, and the drafts are those of its own cache (same rounds)."""
+    target = tiny_target(family, seed=3, sharpen=5.0)
+    drafter = _sharing_drafter(target)
+    ingested = []
+    draft_logits = drafter.draft_logits
+
+    def recording(committed, cache, **kwargs):
+        ingested.append((committed.shape[1], cache.get_seq_length()))
+        return draft_logits(committed, cache, **kwargs)
+
+    drafter.draft_logits = recording
+    caught_up = False
+    for seed in range(3):
+        ids = random_prompt(7, seed=seed)
+        ref = target.generate(ids, max_new_tokens=30, do_sample=False)
+        ingested.clear()
+        shared = _generate(target, ids, drafter, d3d_tree_budget=budget)
+        stats = drafter.last_generation_stats
+        assert stats.shared_target_cache and shared.tolist() == ref.tolist()
+        assert ingested[0] == (ids.shape[1], 0) and all(n == 1 for n, _ in ingested[1:])
+        shared_lengths = stats.acceptance_lengths
+        ingested.clear()
+        own = _generate(target, ids, drafter, d3d_tree_budget=budget, d3d_share_target_cache=False)
+        assert not drafter.last_generation_stats.shared_target_cache and own.tolist() == ref.tolist()
+        caught_up |= any(n > 1 for n, _ in ingested[1:])  # its own cache catches up on accepted drafts
+        assert drafter.last_generation_stats.acceptance_lengths == shared_lengths
+    assert caught_up
+
+
+def test_target_cache_is_not_shared_when_the_keys_would_differ():
+    target = tiny_target("llama", seed=3, sharpen=5.0)
+    copy = perturbed_drafter(target, 6, scale=0.01)  # its own (perturbed) weights
+    _generate(target, random_prompt(7), copy)
+    assert not copy.last_generation_stats.shared_target_cache
+    skipping = D3DForDiffusionDrafting.from_autoregressive(target, layer_ids=[0, 2], block_size=6,
+                                                           shares_target_weights=True)  # layer 1 skipped
+    ids = random_prompt(7)
+    assert _generate(target, ids, skipping).tolist() == target.generate(ids, max_new_tokens=30,
+                                                                         do_sample=False).tolist()
+    assert not skipping.last_generation_stats.shared_target_cache
+    async_config = GenerationConfig(max_new_tokens=10, do_sample=False, d3d_num_drafts="full", d3d_async=True)
+    sharing = _sharing_drafter(target)
+    target.generate(ids, assistant_model=sharing, generation_config=async_config)
+    assert not sharing.last_generation_stats.shared_target_cache  # asynchronous drafting must not wait for the target
