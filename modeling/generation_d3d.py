@@ -458,7 +458,9 @@ class D3DCandidateGenerator(CandidateGenerator):
         cache = self._pass_cache()
         num_pending = cur_len - cache.get_seq_length()
         budget = self.block_size if self.tree_budget == "adaptive" else self.tree_budget
-        gains = self.policy.__dict__.setdefault("tree_gains", {})  # in memory, per (budget, branching)
+        if not hasattr(self.policy, "tree_gains"):  # a user's own policy object of an older kind
+            self.policy.tree_gains = {}
+        gains = self.policy.tree_gains
         gain_key = (budget, self.tree_branching)
         tree_plan = (budget, gains[gain_key]) if gain_key in gains else None
         decision = self.policy.decide(

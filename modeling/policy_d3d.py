@@ -252,6 +252,9 @@ class DraftPolicy:
         self.verify_curve = verify_curve
         self.draft_curve = draft_curve
         self.calibrator = calibrator if calibrator is not None else AcceptanceCalibrator()
+        #: in memory only: per `(node budget, branching)`, the running ratio of a draft tree's expected accepted
+        #: drafts to its likeliest chain's (`D3DCandidateGenerator.get_tree`), the `gain` of `decide(tree=...)`
+        self.tree_gains: dict[tuple[int, int], float] = {}
         self.max_drafts = max_drafts
         self.mode: str | int = "off" if mode == 0 else mode
         self.tie_tolerance = float(tie_tolerance)

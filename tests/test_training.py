@@ -615,3 +615,20 @@ def _assert_two_processes_match_one(tmp_path):
     assert len(two_run["loss"]) == len(one_run["loss"]) == 5
     assert two_run["loss"] == pytest.approx(one_run["loss"], rel=1e-4)
     assert two_run["param_sums"] == pytest.approx(one_run["param_sums"], rel=1e-4, abs=1e-4)
+
+
+def test_tau_during_training_measures_the_drafter_not_the_engine(target, dataset, tmp_path, monkeypatch):
+    """measure_tau verifies a full block every round whatever the engine's default (the cost-aware engine would mix
+    in target steps and lookup rounds chosen by this machine's timings)."""
+    from d3d_hf.modeling import generation_d3d
+
+    monkeypatch.setitem(generation_d3d.POLICY_OPTIONS, "d3d_num_drafts", "adaptive")
+    drafter = _drafter(target)
+    config = _config(tmp_path, max_steps=1, tau_eval_steps=1, tau_eval_max_new_tokens=12)
+    trainer = D3DTrainer(drafter, config, train_dataset=dataset, processing_class=TOKENIZER, target=target,
+                         tau_prompts=[random_prompt(6, seed=70)])
+    tau = trainer.measure_tau()
+    stats = drafter.last_generation_stats
+    assert stats.policy == str(drafter.config.block_size - 1)
+    assert "lookup" not in stats.round_sources and stats.round_sources[:-1] == ["drafter"] * (stats.rounds - 1)
+    assert tau == stats.tau

@@ -374,20 +374,26 @@ class D3DTrainer(SFTTrainer):
 
     @torch.no_grad()
     def measure_tau(self) -> float:
-        """tau of greedy `target.generate(..., assistant_model=drafter)` over `tau_prompts` (all new tokens over
-        all target forwards)."""
+        """tau of the drafter itself: greedy `target.generate(..., assistant_model=drafter)` over `tau_prompts` (all
+        new tokens over all target forwards) with a full block of drafts verified every round (`d3d_num_drafts=
+        "full"`): the cost-aware engine's default would mix in plain target steps and
+        prompt-lookup rounds chosen by this machine's timings, which measures the engine, not the drafter."""
+        from transformers import GenerationConfig
+
         drafter = self.drafter
         was_training = drafter.training
         drafter.eval()
         tokens = rounds = 0
+        config = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=self.args.tau_eval_max_new_tokens,
+            d3d_num_drafts="full",
+            d3d_prompt_lookup=False,
+        )
         for ids in self.tau_prompts:
             ids = ids.to(self.target.device)
             self.target.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                assistant_model=drafter,
-                do_sample=False,
-                max_new_tokens=self.args.tau_eval_max_new_tokens,
+                ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, generation_config=config
             )
             stats = drafter.last_generation_stats
             tokens, rounds = tokens + stats.new_tokens, rounds + stats.rounds
