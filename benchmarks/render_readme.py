@@ -137,6 +137,54 @@ def render_engine() -> list[str]:
     return parts
 
 
+TREE = "benchmarks/results/tree"
+
+
+def render_tree() -> list[str]:
+    """Tree verification (`bash benchmarks/run_tree.sh`): the speed cells (adaptive engine with and without trees,
+    one table per dtype) and the acceptance cells (a 16-node tree every round, float32, one table over the sets)."""
+    speed = sorted((ROOT / TREE).glob("speed_*/results.json"))
+    tau = sorted((ROOT / TREE).glob("tau_*/results.json"))
+    if not speed and not tau:
+        return []
+    parts = []
+    for f in speed:
+        result = json.loads(f.read_text())
+        st = result["settings"]
+        cpu = st.get("cpu") or {}
+        flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if cpu.get(f)]
+        budget = result.get("method_settings", {}).get("d3d-tree", {}).get("tree_budget")
+        parts += [
+            f"**Tree verification, {st['dtype']}**: **{st['target']}** with the shipped drafter `{st['drafter']}`; "
+            f"`d3d` the cost-aware engine (chain rounds), `d3d-tree` the same engine whose drafter rounds verify a "
+            f"best-first tree of at most {budget} nodes (prompt-lookup match as a branch, the target's cache shared); "
+            f"{st['num_prompts']} {st['prompts']} prompts (from #{st.get('offset', 0)}), {st['max_new_tokens']} new "
+            f"tokens, {st['torch_threads']} threads on {st['cpu_count']} CPU cores ({cpu.get('model', st['machine'])}; "
+            f"{' '.join(flags) or 'no AVX2'}), torch {st['torch']}, transformers {st['transformers']}. Recorded in "
+            f"[`{f.parent.relative_to(ROOT)}/`]({f.parent.relative_to(ROOT)}/) by `bash benchmarks/run_tree.sh`.",
+            "",
+            format_suite_table([result]),
+            "",
+        ]
+        plans = format_round_plans(result["summary"])
+        if plans:
+            parts += [plans, ""]
+    if tau:
+        results = sorted((json.loads(f.read_text()) for f in tau), key=_order)
+        st = results[0]["settings"]
+        sets = ", ".join(f"{r['settings']['num_prompts']} {r['settings']['prompts']}" for r in results)
+        parts += [
+            f"**The trees themselves, {st['dtype']}**: a drafter round with a 16-node tree every round (`--num-drafts "
+            f"full --tree-budget 16`), so tau is the trees' acceptance, not the engine's mix; {sets} prompts, "
+            f"{st['max_new_tokens']} new tokens, {st['torch_threads']} threads. Recorded in [`{TREE}/`]({TREE}/) by "
+            "`bash benchmarks/run_tree.sh`.",
+            "",
+            format_suite_table(results),
+            "",
+        ]
+    return parts
+
+
 def _render_result(rel: str, label: str, command: str | None = None) -> list[str]:
     data = json.loads((ROOT / rel).read_text())
     st = data["settings"]
@@ -222,7 +270,7 @@ def render_worker_threads() -> list[str]:
 
 
 def render() -> str:
-    parts = render_engine()
+    parts = render_engine() + render_tree()
     for rel, label, command in OPTIONAL[:2]:
         if (ROOT / rel).exists():
             parts += _render_result(rel, label, command)

@@ -32,3 +32,9 @@ for spec in "humaneval 20 20" "gsm8k 0 10" "mt-bench 0 10"; do
   run "tau_${set}_float32" --methods target,d3d-tree --num-drafts full --tree-budget 16 --prompts "$set" \
     --offset "$offset" --limit "$limit" --dtype float32
 done
+# 3. the shared target cache: d3d (the drafter attends to the target's cache) against d3d-own-cache (its own cache,
+#    re-running the committed tokens), HumanEval 20-39, both dtypes
+for dtype in ${DTYPES:-bfloat16 float32}; do
+  run "cache_humaneval_${dtype}" --methods target,d3d,d3d-own-cache --prompts humaneval --offset 20 --limit 20 \
+    --dtype "$dtype"
+done

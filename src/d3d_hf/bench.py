@@ -403,6 +403,27 @@ register_method(
 )
 
 
+def _d3d_own_cache_kwargs(resources: Mapping[str, Any]) -> dict[str, Any]:
+    from transformers import GenerationConfig
+
+    options = {**_policy_options(resources), "d3d_share_target_cache": False}
+    return {"assistant_model": resources["drafter"], "generation_config": GenerationConfig(**options)}
+
+
+register_method(
+    BenchMethod(
+        "d3d-own-cache",
+        "D3D (chain rounds) with the drafter's own cache: committed tokens re-run by the drafter (the ablation of "
+        "`d3d_share_target_cache`)",
+        _d3d_own_cache_kwargs,
+        read_stats=lambda r, recorder: d3d_round_stats(r["drafter"].last_generation_stats),
+        requires=("drafter",),
+        settings=_d3d_settings,
+        cost_model="sync",
+    )
+)
+
+
 @dataclass
 class PromptRun:
     """One method on one prompt.
