@@ -194,6 +194,19 @@ def test_accepted_path_cache_equals_a_fresh_forward():
 # the loop
 
 
+def _sharing_drafter(target, block_size=6, scale=0.05):
+    """A drafter on the target's own weights (`shares_target_weights`) with rank-4 block adapters moved by `scale`
+    times N(0, 1) noise (seed 0): exact at depth 1, imperfect deeper."""
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=block_size, shares_target_weights=True,
+                                                          block_lora_rank=4)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "lora" in name:
+                p.add_(scale * torch.randn_like(p))
+    return drafter
+
+
 def _generate(target, ids, drafter, **options):
     config = GenerationConfig(max_new_tokens=options.pop("max_new_tokens", 30), do_sample=False,
                               d3d_num_drafts=options.pop("d3d_num_drafts", "full"), **options)
@@ -339,13 +352,7 @@ def test_tree_sampling_preserves_the_target_distribution(shares):
     target = tiny_target("qwen3", vocab_size=vocab, seed=11, sharpen=10.0)
     target.generation_config.eos_token_id = None
     if shares:
-        drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4, shares_target_weights=True,
-                                                              block_lora_rank=2)
-        torch.manual_seed(0)
-        with torch.no_grad():
-            for name, p in drafter.named_parameters():
-                if "lora" in name:
-                    p.add_(0.5 * torch.randn_like(p))
+        drafter = _sharing_drafter(target, block_size=4, scale=0.5)
     else:
         drafter = D3DForDiffusionDrafting.from_autoregressive(target, num_layers=1, block_size=4)
     drafter.generation_config.d3d_tree_budget = 5
@@ -454,15 +461,6 @@ def test_policy_rates_a_tree_round_with_its_gain_and_nodes():
     assert dear.decide(1, max_candidates=15, tree=(16, 6.0)).source == "target"
 
 
-def _sharing_drafter(target, block_size=6):
-    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=block_size, shares_target_weights=True,
-                                                          block_lora_rank=4)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if "lora" in name:
-                p.add_(0.05 * torch.randn_like(p))
-    return drafter
 
 
 @pytest.mark.parametrize("family", FAMILIES)

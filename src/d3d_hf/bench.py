@@ -332,11 +332,17 @@ def _tree_budget(resources: Mapping[str, Any]) -> int | str:
     return int(value) if str(value).isdigit() else str(value)
 
 
-def _d3d_tree_kwargs(resources: Mapping[str, Any]) -> dict[str, Any]:
+def _d3d_kwargs_with(resources: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+    """`generate` arguments of a D3D method: the drafter and a `GenerationConfig` of the policy options (`--num-drafts`)
+    plus `options`."""
     from transformers import GenerationConfig
 
-    options = {**_policy_options(resources), "d3d_tree_budget": _tree_budget(resources)}
-    return {"assistant_model": resources["drafter"], "generation_config": GenerationConfig(**options)}
+    config = GenerationConfig(**_policy_options(resources), **options)
+    return {"assistant_model": resources["drafter"], "generation_config": config}
+
+
+def _d3d_tree_kwargs(resources: Mapping[str, Any]) -> dict[str, Any]:
+    return _d3d_kwargs_with(resources, d3d_tree_budget=_tree_budget(resources))
 
 
 def _d3d_tree_settings(resources: Mapping[str, Any]) -> dict[str, Any]:
@@ -403,19 +409,12 @@ register_method(
 )
 
 
-def _d3d_own_cache_kwargs(resources: Mapping[str, Any]) -> dict[str, Any]:
-    from transformers import GenerationConfig
-
-    options = {**_policy_options(resources), "d3d_share_target_cache": False}
-    return {"assistant_model": resources["drafter"], "generation_config": GenerationConfig(**options)}
-
-
 register_method(
     BenchMethod(
         "d3d-own-cache",
         "D3D (chain rounds) with the drafter's own cache: committed tokens re-run by the drafter (the ablation of "
         "`d3d_share_target_cache`)",
-        _d3d_own_cache_kwargs,
+        lambda r: _d3d_kwargs_with(r, d3d_share_target_cache=False),
         read_stats=lambda r, recorder: d3d_round_stats(r["drafter"].last_generation_stats),
         requires=("drafter",),
         settings=_d3d_settings,
