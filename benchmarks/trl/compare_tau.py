@@ -1,0 +1,69 @@
+"""Held-out tau of two drafters of the same target, same prompts, same settings (issue 16: the recipe on the TRL
+trainer against the shipped drafter). A full block of drafts every round (`d3d_num_drafts="full"`, no prompt lookup,
+chain verification), greedy, float32, so tau is the drafter's acceptance; lossless checked on every prompt.
+
+    python benchmarks/trl/compare_tau.py --drafters d3d-smollm2-135m-instruct runs/train/smollm2-d3d \
+        --prompts humaneval --offset 20 --limit 10 --max-new-tokens 128 --output benchmarks/results/trl/tau.json
+"""
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+
+from d3d_hf.drafters import load_drafter
+from d3d_hf.prompts import load_prompts
+from d3d_hf.prompts.prompt import encode_prompt
+from d3d_hf.targets import load_target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--drafters", nargs="+", required=True, help="shipped names or folders")
+    parser.add_argument("--prompts", default="humaneval")
+    parser.add_argument("--offset", type=int, default=20)
+    parser.add_argument("--limit", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, tokenizer = load_target("smollm2-135m-instruct", dtype="float32", device="cpu")
+    drafters = {name: load_drafter(name) for name in args.drafters}
+    prompts = load_prompts(args.prompts)[args.offset : args.offset + args.limit]
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, d3d_num_drafts="full",
+                              d3d_prompt_lookup=False)
+    totals = {name: {"new_tokens": 0, "rounds": 0, "lossless": 0, "per_prompt": []} for name in drafters}
+    for prompt in prompts:
+        ids = encode_prompt(tokenizer, prompt)
+        reference = target.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+        for name, drafter in drafters.items():
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                                  generation_config=config)
+            stats = drafter.last_generation_stats
+            total = totals[name]
+            total["new_tokens"] += stats.new_tokens
+            total["rounds"] += stats.rounds
+            total["lossless"] += int(torch.equal(out, reference))
+            total["per_prompt"].append(round(stats.tau, 3))
+    result = {
+        "command": "python benchmarks/trl/compare_tau.py " + " ".join(
+            ["--drafters", *args.drafters, "--prompts", args.prompts, "--offset", str(args.offset), "--limit",
+             str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads),
+             "--output", args.output]),
+        "machine": platform.processor() or platform.machine(),
+        "prompts": f"{args.prompts}[{args.offset}:{args.offset + args.limit}]",
+        "tau": {name: t["new_tokens"] / t["rounds"] for name, t in totals.items()},
+        "lossless": {name: t["lossless"] / len(prompts) for name, t in totals.items()},
+        "per_prompt_tau": {name: t["per_prompt"] for name, t in totals.items()},
+    }
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("tau", "lossless")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
