@@ -169,6 +169,22 @@ def render_tree() -> list[str]:
         plans = format_round_plans(result["summary"])
         if plans:
             parts += [plans, ""]
+    for f in sorted((ROOT / TREE).glob("cache_*/results.json")):
+        result = json.loads(f.read_text())
+        st = result["settings"]
+        parts += [
+            f"**The shared target cache, {st['dtype']}**: `d3d` (the drafter attends to the target's cache; each pass "
+            "ingests one token) against `d3d-own-cache` (`d3d_share_target_cache=False`: its own cache, re-running "
+            f"the committed tokens), same run; {st['num_prompts']} {st['prompts']} prompts (from "
+            f"#{st.get('offset', 0)}), {st['max_new_tokens']} new tokens, {st['torch_threads']} threads. Recorded in "
+            f"[`{f.parent.relative_to(ROOT)}/`]({f.parent.relative_to(ROOT)}/) by `bash benchmarks/run_tree.sh`.",
+            "",
+            format_suite_table([result]),
+            "",
+        ]
+        plans = format_round_plans(result["summary"])
+        if plans:
+            parts += [plans, ""]
     if tau:
         results = sorted((json.loads(f.read_text()) for f in tau), key=_order)
         st = results[0]["settings"]
