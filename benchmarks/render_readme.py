@@ -140,6 +140,12 @@ def render_engine() -> list[str]:
 TREE = "benchmarks/results/tree"
 
 
+def _table_and_plans(result: dict) -> list[str]:
+    """One run's results table, then its rounds by candidate source and `k` (when it has D3D rounds)."""
+    plans = format_round_plans(result["summary"])
+    return [format_suite_table([result]), ""] + ([plans, ""] if plans else [])
+
+
 def render_tree() -> list[str]:
     """Tree verification (`bash benchmarks/run_tree.sh`): the speed cells (adaptive engine with and without trees,
     one table per dtype) and the acceptance cells (a 16-node tree every round, float32, one table over the sets)."""
@@ -163,12 +169,8 @@ def render_tree() -> list[str]:
             f"{' '.join(flags) or 'no AVX2'}), torch {st['torch']}, transformers {st['transformers']}. Recorded in "
             f"[`{f.parent.relative_to(ROOT)}/`]({f.parent.relative_to(ROOT)}/) by `bash benchmarks/run_tree.sh`.",
             "",
-            format_suite_table([result]),
-            "",
         ]
-        plans = format_round_plans(result["summary"])
-        if plans:
-            parts += [plans, ""]
+        parts += _table_and_plans(result)
     for f in sorted((ROOT / TREE).glob("cache_*/results.json")):
         result = json.loads(f.read_text())
         st = result["settings"]
@@ -179,12 +181,8 @@ def render_tree() -> list[str]:
             f"#{st.get('offset', 0)}), {st['max_new_tokens']} new tokens, {st['torch_threads']} threads. Recorded in "
             f"[`{f.parent.relative_to(ROOT)}/`]({f.parent.relative_to(ROOT)}/) by `bash benchmarks/run_tree.sh`.",
             "",
-            format_suite_table([result]),
-            "",
         ]
-        plans = format_round_plans(result["summary"])
-        if plans:
-            parts += [plans, ""]
+        parts += _table_and_plans(result)
     if tau:
         results = sorted((json.loads(f.read_text()) for f in tau), key=_order)
         st = results[0]["settings"]
