@@ -193,10 +193,10 @@ def d3d_assisted_decoding(
                 attention_mask, positions = None, torch.arange(past, past + new_ids.shape[1], device=device)[None]
             else:
                 attention_mask, positions = tree_attention_inputs(tree, num_committed, past, compute_dtype, device)
-            histories = [input_ids.to(device)] + [
-                torch.cat([input_ids.to(device), input_ids.new_tensor([tree.path_tokens(i)]).to(device)], dim=1)
-                for i in range(len(tree))
-            ]
+
+            def history(row: int, tree=tree, prefix=input_ids) -> torch.LongTensor:
+                """The sequence verification row `row` scores: the committed tokens, then the path to its node."""
+                return prefix if row == 0 else torch.cat([prefix, prefix.new_tensor([tree.path_tokens(row - 1)])], 1)
         else:
             candidate_ids, candidate_logits = generator.get_candidates(input_ids)
             candidate_ids = candidate_ids.to(device)
@@ -205,7 +205,9 @@ def d3d_assisted_decoding(
             num_candidates = candidate_ids.shape[1] - cur_len
             new_ids = candidate_ids[:, past:]
             attention_mask, positions = None, torch.arange(past, past + new_ids.shape[1], device=device)[None]
-            histories = [candidate_ids[:, : cur_len + i] for i in range(num_candidates + 1)]
+
+            def history(row: int, candidates=candidate_ids, cur_len=cur_len) -> torch.LongTensor:
+                return candidates[:, : cur_len + row]
         forward_kwargs = {"logits_to_keep": num_candidates + 1} if keep_logits else {}
         first_round = generator.stats.rounds == 0
         outputs = target(
@@ -226,9 +228,9 @@ def d3d_assisted_decoding(
                 check_tree_cache(cache)
         new_logits = outputs.logits[:, -num_candidates - 1 :].to(dtype=torch.float32, device=input_ids.device)
         raw = new_logits.clone() if raw_logits is not None else None
-        if len(logits_processor) > 0:
+        if len(logits_processor) > 0:  # each row on its own history, built only when a processor needs it
             for i in range(num_candidates + 1):
-                new_logits[:, i, :] = logits_processor(histories[i].to(input_ids.device), new_logits[:, i, :])
+                new_logits[:, i, :] = logits_processor(history(i).to(input_ids.device), new_logits[:, i, :])
         if tree_mode:
             if do_sample:
                 probabilities = new_logits[0].softmax(dim=-1)

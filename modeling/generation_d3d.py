@@ -528,18 +528,13 @@ class D3DCandidateGenerator(CandidateGenerator):
     def _adaptive_tree_size(self, tree: DraftTree, num_pending_target: int, draft_seconds: float) -> int:
         """Node count `n` in `[0, len(tree)]` that maximises `(1 + sum_{i < n} P_i) / (draft_seconds +
         t_verify(num_pending_target + n))`; near-ties (the policy's tolerance) go to the smaller tree."""
-        best_n, best_rate, expected = 0, None, 1.0
-        rates = []
+        expected, rates = 1.0, []
         for n in range(len(tree) + 1):
             if n:
                 expected += tree.probabilities[n - 1]
             rates.append(expected / (draft_seconds + self.policy.verify_curve(num_pending_target + n)))
         top = max(rates)
-        for n, rate in enumerate(rates):
-            if rate >= top * (1 - self.policy.tie_tolerance):
-                best_n, best_rate = n, rate
-                break
-        return best_n
+        return next(n for n, rate in enumerate(rates) if rate >= top * (1 - self.policy.tie_tolerance))
 
     @staticmethod
     def _primary_chain(tree: DraftTree, probabilities: torch.Tensor) -> tuple[list[int], list[float]]:
