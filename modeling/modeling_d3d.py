@@ -150,6 +150,7 @@ class BlockRows:
 
     Attributes:
         gate (`torch.Tensor` of shape `(batch_size, seq_len, 1)`): 1 at block rows, 0 elsewhere, in the hidden dtype.
+        fused (`bool`): whether the decoder layers run `FusedProjections` (outside autograd) in this forward.
         start (`int` or `None`): when the block rows are exactly rows `start..seq_len-1` of every sequence (every
             synchronous draft pass: committed tokens first, then the masks), their first row; `None` otherwise.
             Then the adapters run on those rows only instead of on gated copies of all rows (same values, less work).
@@ -157,11 +158,13 @@ class BlockRows:
 
     gate: torch.Tensor
     start: int | None = None
+    fused: bool = False
 
     @classmethod
-    def of(cls, block_positions: torch.BoolTensor, dtype: torch.dtype) -> BlockRows:
+    def of(cls, block_positions: torch.BoolTensor, dtype: torch.dtype, fused: bool = False) -> BlockRows:
         """Builds the rows from a `(batch_size, seq_len)` boolean mask. The suffix test reads the mask on the host,
-        so it is made only for CPU tensors outside autograd (elsewhere `start` stays `None`: no device sync)."""
+        so it is made only for CPU tensors outside autograd (elsewhere `start` stays `None`: no device sync).
+        `fused`: whether this forward runs the fused projection weights (`D3DModel.fused_projections`)."""
         gate = block_positions[..., None].to(dtype)
         start = None
         if block_positions.device.type == "cpu" and not torch.is_grad_enabled():
@@ -170,7 +173,7 @@ class BlockRows:
             count = int(counts[0])
             if bool((counts == count).all()) and bool(block_positions[:, seq_len - count :].all()):
                 start = seq_len - count
-        return cls(gate, start)
+        return cls(gate, start, fused)
 
 
 def add_block_adapters(
@@ -203,8 +206,7 @@ def add_block_adapters(
         x = x[:, rows.start :]
     else:
         x = x * rows.gate
-    params = [p for proj in projections for p in (proj.lora_A, proj.lora_B)]
-    key = tuple((p.data_ptr(), p._version) for p in params) + (x.dtype, x.device)
+    key = _weights_key(projections, x)
     if cache.get("key") != key:
         cache["key"] = key
         cache["At"] = torch.cat([proj.lora_A for proj in projections]).t().to(x.dtype)
@@ -223,6 +225,109 @@ def add_block_adapters(
         rows_out.baddbmm_(down[..., i * rank : (i + 1) * rank], b_t, alpha=proj.lora_scaling)
 
 
+def _weights_key(modules: list[nn.Module], x: torch.Tensor) -> tuple:
+    """What weights derived from the parameters of `modules` (for inputs like `x`) are valid for: each parameter's
+    storage and version counter (an optimiser step, `.to()`, an in-place edit or a replaced parameter changes them),
+    and `x`'s dtype and device. Reads the modules' parameter dicts directly (`nn.Module.__getattr__` is slow, and this
+    runs for every projection group of every draft pass). Inference tensors (made under `torch.inference_mode()`)
+    keep no version counter: for them the storage alone counts."""
+    params = [p for m in modules for p in m._parameters.values() if p is not None]
+    try:
+        return (*((p.data_ptr(), p._version) for p in params), x.dtype, x.device)
+    except RuntimeError:  # an inference tensor
+        return (*((p.data_ptr(), -1 if p.is_inference() else p._version) for p in params), x.dtype, x.device)
+
+
+class FusedProjections:
+    r"""One weight for the projections of a layer that read the same input, with their block adapters folded in:
+    the inference layout of `D3DModel.fused_projections` (d3d-hf issue 14: a draft pass that costs no more than the
+    target's own forward over the same rows).
+
+    For projections `W_1..W_n` (q/k/v, or gate/up, or one of o/down) with adapters `(A_i, B_i, s_i)`, `weight` is
+    `[W_1; ..; W_n; A_1; ..; A_n]` (the adapters' down-projections stacked below the base rows, the layout of
+    vLLM-style fused QKV / gate-up weights) and `block_b` the block-diagonal `diag(s_1 B_1^T, .., s_n B_n^T)` of
+    shape `(n * rank, sum(out_i))`. One matmul then gives every base output and every `x A_i^T`, and one more adds
+    `(x A^T) block_b` on the block rows: two calls per group instead of `2n + 1`, which is what costs at the few rows
+    of a draft pass on CPU (measured: benchmarks/results/engine/draft_pass.md). Same values as the per-projection
+    path up to float rounding (tests/test_modeling.py). It is a copy of the weights (`memory_bytes`): the layers'
+    weights are held twice while it exists.
+
+    Args:
+        projections (`list[D3DLinear]`): projections reading the same input (rank 0 ones get no adapter rows).
+        dtype (`torch.dtype`), device (`torch.device`): of the copy (the input's).
+    """
+
+    def __init__(self, projections: list[D3DLinear], dtype: torch.dtype, device: torch.device) -> None:
+        adapted = [p for p in projections if p.rank > 0]
+        self.widths = [p.out_features for p in projections]
+        self.base_width = sum(self.widths)
+        with torch.no_grad():
+            weight = torch.cat([p.weight for p in projections] + [p.lora_A for p in adapted])
+            self.weight = weight.to(device=device, dtype=dtype).contiguous()
+            self.bias = None
+            if any(p.bias is not None for p in projections):
+                parts = [p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in projections]
+                parts.append(self.weight.new_zeros(sum(p.rank for p in adapted)))
+                self.bias = torch.cat([b.to(device=device, dtype=dtype) for b in parts])
+            self.block_b = None
+            if adapted:
+                block_b = torch.zeros(sum(p.rank for p in adapted), self.base_width, device=device, dtype=dtype)
+                row, offsets = 0, dict(zip(map(id, projections), torch.tensor([0, *self.widths]).cumsum(0).tolist()))
+                for p in adapted:
+                    col = offsets[id(p)]
+                    block_b[row : row + p.rank, col : col + p.out_features] = (p.lora_B * p.lora_scaling).t()
+                    row += p.rank
+                self.block_b = block_b
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes held by the copy."""
+        tensors = [t for t in (self.weight, self.bias, self.block_b) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def __call__(self, x: torch.Tensor, rows: BlockRows) -> list[torch.Tensor]:
+        """The projections' outputs `x W_i^T + b_i`, plus their adapters on `rows`: a list of views of one
+        `(batch_size, seq_len, sum(out_i) + n * rank)` tensor, `(batch_size, seq_len, out_i)` each."""
+        y = nn.functional.linear(x, self.weight, self.bias)
+        base, down = y[..., : self.base_width], y[..., self.base_width :]
+        if self.block_b is not None:
+            if rows.start is not None:
+                if rows.start < x.shape[1]:
+                    if x.shape[0] == 1:  # 2-D: in place on the block rows (row stride > width is BLAS-compatible)
+                        base[0, rows.start :].addmm_(down[0, rows.start :], self.block_b)
+                    else:
+                        block_b = self.block_b.expand(x.shape[0], -1, -1)
+                        base[:, rows.start :].baddbmm_(down[:, rows.start :], block_b)
+            else:
+                base.baddbmm_(down * rows.gate, self.block_b.expand(x.shape[0], -1, -1))
+        outputs, start = [], 0
+        for width in self.widths:
+            outputs.append(base[..., start : start + width])
+            start += width
+        return outputs
+
+
+def project(projections: list[nn.Module], x: torch.Tensor, rows: BlockRows | None, cache: dict) -> list[torch.Tensor]:
+    """The outputs of `projections` (which all read `x`) with their block adapters on `rows`, by the cheapest path
+    that applies: `FusedProjections` (when `rows.fused`), `add_block_adapters`, or each projection's own `forward`
+    (training, PEFT-wrapped projections, forwards without block rows). `cache` holds the derived weights of this
+    group between calls (rebuilt when a weight changes: `_weights_key`)."""
+    if not _fused_adapters_apply(projections, rows):
+        gate = rows.gate if rows is not None else None
+        gated = x * gate if gate is not None and any(getattr(p, "rank", 0) > 0 for p in projections) else None
+        return [proj(x, gate, gated) for proj in projections]
+    if rows.fused:
+        key = _weights_key(projections, x)
+        fused = cache.get("fused_projections")
+        if fused is None or fused[0] != key:
+            cache.pop("fused_projections", None)  # free the old copy before building the new one
+            fused = cache["fused_projections"] = (key, FusedProjections(projections, x.dtype, x.device))
+        return fused[1](x, rows)
+    outputs = [proj(x) for proj in projections]
+    add_block_adapters(projections, x, outputs, rows, cache)
+    return outputs
+
+
 def _fused_adapters_apply(projections: list[nn.Module], rows: BlockRows | None) -> bool:
     """Whether `add_block_adapters` runs these projections' adapters; otherwise the per-projection path does, which
     serves training (autograd), wrapped projections (e.g. PEFT's LoRA layers, which pass the gate on to the
@@ -233,15 +338,6 @@ def _fused_adapters_apply(projections: list[nn.Module], rows: BlockRows | None) 
         and all(type(p) is D3DLinear for p in projections)
         and any(p.rank > 0 for p in projections)
     )
-
-
-def _single_projection(proj: nn.Module, x: torch.Tensor, rows: BlockRows | None, cache: dict) -> torch.Tensor:
-    """`proj(x)` with its block adapter on `rows` (the fused path when `_fused_adapter_group` allows it)."""
-    if not _fused_adapters_apply([proj], rows):
-        return proj(x, rows.gate if rows is not None else None)
-    out = proj(x)
-    add_block_adapters([proj], x, [out], rows, cache)
-    return out
 
 
 def _projection(config: D3DConfig, name: str, in_features: int, out_features: int, bias: bool) -> D3DLinear:
@@ -327,7 +423,7 @@ class D3DAttention(nn.Module):
         if config.use_qk_norm:
             self.q_norm = D3DRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = D3DRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self._adapter_cache, self._out_adapter_cache = {}, {}  # stacked adapter weights (`add_block_adapters`)
+        self._adapter_cache, self._out_adapter_cache = {}, {}  # derived weights of each group (`project`)
 
     def forward(
         self,
@@ -343,14 +439,7 @@ class D3DAttention(nn.Module):
         weights or None)`); `eager_attention_forward` when `None`."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        projections = [self.q_proj, self.k_proj, self.v_proj]
-        if _fused_adapters_apply(projections, block_rows):
-            outputs = [proj(hidden_states) for proj in projections]
-            add_block_adapters(projections, hidden_states, outputs, block_rows, self._adapter_cache)
-        else:
-            gate = block_rows.gate if block_rows is not None else None
-            gated = hidden_states * gate if gate is not None and self.q_proj.rank > 0 else None
-            outputs = [proj(hidden_states, gate, gated) for proj in projections]
+        outputs = project([self.q_proj, self.k_proj, self.v_proj], hidden_states, block_rows, self._adapter_cache)
         query_states, key_states, value_states = (o.view(hidden_shape) for o in outputs)
         if self.config.use_qk_norm:
             query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
@@ -374,7 +463,7 @@ class D3DAttention(nn.Module):
             is_causal=False,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return _single_projection(self.o_proj, attn_output, block_rows, self._out_adapter_cache), attn_weights
+        return project([self.o_proj], attn_output, block_rows, self._out_adapter_cache)[0], attn_weights
 
 
 class D3DMLP(nn.Module):
@@ -387,19 +476,12 @@ class D3DMLP(nn.Module):
         self.up_proj = _projection(config, "up_proj", hidden, inner, bias)
         self.down_proj = _projection(config, "down_proj", inner, hidden, bias)
         self.act_fn = ACT2FN[config.hidden_act]
-        self._adapter_cache, self._out_adapter_cache = {}, {}  # stacked adapter weights (`add_block_adapters`)
+        self._adapter_cache, self._out_adapter_cache = {}, {}  # derived weights of each group (`project`)
 
     def forward(self, x: torch.Tensor, block_rows: BlockRows | None = None) -> torch.Tensor:
-        projections = [self.gate_proj, self.up_proj]
-        if _fused_adapters_apply(projections, block_rows):
-            gate_out, up_out = (proj(x) for proj in projections)
-            add_block_adapters(projections, x, [gate_out, up_out], block_rows, self._adapter_cache)
-        else:
-            gate = block_rows.gate if block_rows is not None else None
-            gated = x * gate if gate is not None and self.gate_proj.rank > 0 else None
-            gate_out, up_out = (proj(x, gate, gated) for proj in projections)
+        gate_out, up_out = project([self.gate_proj, self.up_proj], x, block_rows, self._adapter_cache)
         hidden = self.act_fn(gate_out) * up_out
-        return _single_projection(self.down_proj, hidden, block_rows, self._out_adapter_cache)
+        return project([self.down_proj], hidden, block_rows, self._out_adapter_cache)[0]
 
 
 class D3DDecoderLayer(nn.Module):
@@ -569,7 +651,43 @@ class D3DModel(D3DPreTrainedModel):
         self.mask_embedding = D3DMaskEmbedding(config.hidden_size) if config.mask_token_id is None else None
         # how packed passes attend (not saved): `drafting_d3d.PACKED_ATTENTION_IMPLEMENTATIONS`
         self.packed_attention_implementation = "auto"
+        self.fused_projections = "auto"
         self.post_init()
+
+    @property
+    def fused_projections(self) -> str | bool:
+        """Whether forwards with block rows run outside autograd on `FusedProjections` (not saved).
+
+        `"auto"` (the default): on CPU only, where a pass over a few rows is bound by the number of matmul calls and
+        the fused layout brings the draft pass to the target's own forward over the same rows (measured:
+        benchmarks/results/engine/draft_pass.md); `True`: on every device; `False`: never. The fused weights are a
+        second copy of the layers' weights (e.g. about 425 MB for SmolLM2-135M in float32, half that in bfloat16),
+        built at the first such forward and rebuilt when a weight changes; setting `False` frees them.
+
+        Raises:
+            ValueError: (on assignment) for any other value.
+        """
+        return self._fused_projections
+
+    @fused_projections.setter
+    def fused_projections(self, value: str | bool) -> None:
+        if value not in ("auto", True, False) or isinstance(value, int) and not isinstance(value, bool):
+            raise ValueError(f"`fused_projections` must be 'auto', True or False, got {value!r}.")
+        self._fused_projections = value
+        if value is False:
+            for module in self.modules():
+                for cache in (getattr(module, "_adapter_cache", None), getattr(module, "_out_adapter_cache", None)):
+                    if cache is not None:
+                        cache.pop("fused_projections", None)
+
+    def fused_projections_bytes(self) -> int:
+        """Bytes held by the fused projection weights built so far (0 when none)."""
+        total = 0
+        for module in self.modules():
+            for cache in (getattr(module, "_adapter_cache", None), getattr(module, "_out_adapter_cache", None)):
+                if cache and "fused_projections" in cache:
+                    total += cache["fused_projections"][1].memory_bytes
+        return total
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -697,7 +815,8 @@ class D3DModel(D3DPreTrainedModel):
             block_positions = masked_positions
         block_rows = None
         if self.config.block_lora_rank > 0 and block_positions is not None:
-            block_rows = BlockRows.of(block_positions, hidden_states.dtype)
+            fused = self.fused_projections is True or (self.fused_projections == "auto" and device.type == "cpu")
+            block_rows = BlockRows.of(block_positions, hidden_states.dtype, fused and not torch.is_grad_enabled())
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         for layer in self.layers:
             hidden_states = layer(

@@ -69,13 +69,18 @@ def test_forward_input_errors():
         drafter(ids, attention_mask=torch.ones(1, 1, 4, 5, dtype=torch.bool))
 
 
-def _adapted_drafter(modules=None, seed=0):
+def _adapted_drafter(modules=None, seed=0, fused_projections=False, rank=4, bias=False):
     torch.manual_seed(seed)
     drafter = D3DForDiffusionDrafting.from_autoregressive(tiny_target("qwen3"), block_size=6)
-    drafter.add_block_adapter(rank=4, alpha=8.0, modules=modules)
+    drafter.add_block_adapter(rank=rank, alpha=8.0, modules=modules)
     for name, param in drafter.named_parameters():
         if "lora_B" in name:
             param.data.normal_(0, 0.2)  # a fresh adapter's B is zero: make it do something
+    if bias:  # a Qwen2-style q/k/v bias (and an MLP one) on the same weights
+        for layer in drafter.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.v_proj, layer.mlp.up_proj):
+                proj.bias = torch.nn.Parameter(torch.randn(proj.out_features) * 0.1)
+    drafter.model.fused_projections = fused_projections
     return drafter.eval()
 
 
@@ -87,10 +92,11 @@ def _forward_both_ways(drafter, ids, block_positions):
     return out, ref
 
 
+@pytest.mark.parametrize("fused_projections", [False, True])
 @pytest.mark.parametrize("modules", [None, ["q_proj", "v_proj", "down_proj"], ["up_proj"]])
 @pytest.mark.parametrize("layout", ["suffix", "scattered", "batch"])
-def test_fused_block_adapters_equal_the_per_projection_adapters(modules, layout):
-    drafter = _adapted_drafter(modules)
+def test_fused_block_adapters_equal_the_per_projection_adapters(modules, layout, fused_projections):
+    drafter = _adapted_drafter(modules, fused_projections=fused_projections, bias=modules is None)
     ids = random_prompt(10)
     block = torch.zeros(1, 10, dtype=torch.bool)
     if layout == "suffix":  # a synchronous draft pass: committed rows, then the block
@@ -103,12 +109,16 @@ def test_fused_block_adapters_equal_the_per_projection_adapters(modules, layout)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     plain = drafter(ids).logits.detach()  # no block rows: no adapter
     assert not torch.allclose(out, plain, atol=1e-3), "the adapters must change the block rows"
-    attn = drafter.model.layers[0].self_attn
-    assert ("key" in attn._adapter_cache) == (modules is None or "q_proj" in modules), "the fused path ran"
+    attn, mlp = drafter.model.layers[0].self_attn, drafter.model.layers[0].mlp
+    ran = "fused_projections" if fused_projections else "key"
+    assert (ran in attn._adapter_cache) == (modules is None or "q_proj" in modules), "the fused path ran"
+    assert (ran in mlp._out_adapter_cache) == (modules is None or "down_proj" in modules)
+    assert (ran in mlp._adapter_cache) == (modules is None or "up_proj" in modules)
 
 
-def test_fused_block_adapters_follow_weight_updates():
-    drafter = _adapted_drafter()
+@pytest.mark.parametrize("fused_projections", [False, True])
+def test_fused_block_adapters_follow_weight_updates(fused_projections):
+    drafter = _adapted_drafter(fused_projections=fused_projections)
     ids, block = random_prompt(8), torch.zeros(1, 8, dtype=torch.bool)
     block[:, 3:] = True
     before, _ = _forward_both_ways(drafter, ids, block)
@@ -116,6 +126,7 @@ def test_fused_block_adapters_follow_weight_updates():
         for layer in drafter.model.layers:  # in place, as an optimiser step does
             layer.self_attn.k_proj.lora_A.mul_(3.0)
             layer.mlp.gate_proj.lora_B.add_(0.1)
+            layer.mlp.down_proj.weight.mul_(0.5)  # a base weight too (the fused projections copy it)
     after, ref = _forward_both_ways(drafter, ids, block)
     torch.testing.assert_close(after, ref, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(after, before, atol=1e-3)
@@ -123,3 +134,40 @@ def test_fused_block_adapters_follow_weight_updates():
     cache = D3DCache()
     plain = drafter(ids).logits[:, -1].detach()
     torch.testing.assert_close(drafter.draft_logits(ids, cache, num_masks=0)[:, -1], plain)
+
+
+def test_fused_projections_option_memory_and_errors():
+    drafter = _adapted_drafter(fused_projections="auto")  # the default: on CPU, fused
+    assert D3DForDiffusionDrafting(drafter.config).model.fused_projections == "auto"
+    ids, block = random_prompt(8), torch.zeros(1, 8, dtype=torch.bool)
+    block[:, 3:] = True
+    with torch.no_grad():
+        fused = drafter(ids, block_positions=block).logits
+        layer_bytes = sum(p.numel() * p.element_size() for n, p in drafter.model.layers.named_parameters())
+        held = drafter.model.fused_projections_bytes()
+        assert layer_bytes - 1024 < held < 2 * layer_bytes, "one more copy of the layers' weights (plus B blocks)"
+        drafter.model.fused_projections = False  # frees the copy, same values by the other path
+        assert drafter.model.fused_projections_bytes() == 0
+        torch.testing.assert_close(drafter(ids, block_positions=block).logits, fused, rtol=1e-5, atol=1e-5)
+        assert drafter.model.fused_projections_bytes() == 0
+        drafter(ids)  # a forward without block rows never builds them
+        drafter.model.fused_projections = True
+        drafter(ids)
+        assert drafter.model.fused_projections_bytes() == 0
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="'auto', True or False"):
+            drafter.model.fused_projections = bad
+    with torch.enable_grad():  # training never uses them
+        drafter(ids, block_positions=block).logits.sum().backward()
+    assert drafter.model.fused_projections_bytes() == 0
+
+
+def test_drafter_made_under_inference_mode_drafts():
+    """Inference tensors keep no version counter: the derived-weight caches must not need one."""
+    with torch.inference_mode():
+        drafter = _adapted_drafter(fused_projections=True)
+        cache = D3DCache()
+        fused = drafter.draft_logits(random_prompt(6), cache, num_masks=3)
+        drafter.model.fused_projections = False
+        cache = D3DCache()
+        torch.testing.assert_close(drafter.draft_logits(random_prompt(6), cache, num_masks=3), fused)

@@ -15,6 +15,7 @@ from d3d_hf.pruning import (
     prune_drafter,
     pruned_drafter,
     target_continuations,
+    truncate_block_adapters,
 )
 
 
@@ -212,3 +213,64 @@ def test_prune_command_on_smollm2(smollm2, tmp_path, capsys):
     assert main([*argv[:-2], "--output", str(drafter_dir)]) == 2  # a non-empty folder without a state is refused
     assert "not empty" in capsys.readouterr().err
     assert main([*argv[:5], "--prompts", "humaneval", *argv[7:]]) == 2
+
+
+def _adapted(target, rank=6):
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    drafter.add_block_adapter(rank, alpha=12.0)
+    torch.manual_seed(3)
+    for name, param in drafter.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.2)
+    return drafter.eval()
+
+
+def _updates(drafter):
+    from d3d_hf.modeling.modeling_d3d import D3DLinear
+
+    return {n: m.lora_scaling * m.lora_B @ m.lora_A for n, m in drafter.named_modules()
+            if isinstance(m, D3DLinear) and m.rank > 0}
+
+
+def test_truncated_adapters_are_the_best_low_rank_approximation(tmp_path):
+    target = tiny_target()
+    drafter = _adapted(target)
+    before = _updates(drafter)
+    ids = torch.tensor([_prompts(1)[0]])
+    masked = torch.zeros_like(ids, dtype=torch.bool)
+    masked[:, -3:] = True
+    with torch.no_grad():
+        full = drafter(ids, masked_positions=masked).logits
+        assert all(v == pytest.approx(1.0) for v in truncate_block_adapters(drafter, 6).values())
+        torch.testing.assert_close(drafter(ids, masked_positions=masked).logits, full, rtol=1e-4, atol=1e-4)
+    kept = truncate_block_adapters(drafter, 2)
+    assert drafter.config.block_lora_rank == 2 and set(kept) == set(before)
+    for name, update in _updates(drafter).items():
+        assert drafter.get_submodule(name).lora_A.shape[0] == 2
+        u, sigma, vh = torch.linalg.svd(before[name])
+        best = (u[:, :2] * sigma[:2]) @ vh[:2]  # Eckart-Young
+        torch.testing.assert_close(update, best, rtol=1e-4, atol=1e-5)
+        assert kept[name] == pytest.approx(float(sigma[:2].square().sum() / sigma.square().sum()), rel=1e-4)
+    with torch.no_grad():
+        low = drafter(ids, masked_positions=masked).logits
+    assert not torch.allclose(low, full, atol=1e-3)
+    drafter.save_pretrained(tmp_path / "r2")
+    loaded = D3DForDiffusionDrafting.from_pretrained(tmp_path / "r2")
+    assert loaded.config.block_lora_rank == 2
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, masked_positions=masked).logits, low)
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=loaded, max_new_tokens=12,
+                          do_sample=False)
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_truncate_block_adapters_errors():
+    target = tiny_target()
+    with pytest.raises(ValueError, match="no block adapters"):
+        truncate_block_adapters(D3DForDiffusionDrafting.from_autoregressive(target, block_size=4), 2)
+    drafter = _adapted(target, rank=4)
+    for bad in (0, 5, 2.0, True):
+        with pytest.raises(ValueError, match=r"whole number in \[1, 4\]"):
+            truncate_block_adapters(drafter, bad)
+    assert drafter.config.block_lora_rank == 4

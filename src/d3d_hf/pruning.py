@@ -10,6 +10,10 @@ What makes this affordable: in greedy decoding the target's continuation of a pr
 KV cache, the same draft-length and eos rules as `D3DCandidateGenerator`) without running the target. In float32
 its tau equals the tau of `target.generate(..., assistant_model=drafter)` exactly (tested).
 
+`truncate_block_adapters` prunes the other way: it lowers the rank of every block adapter to its best
+approximation of that rank (truncated SVD), which costs little acceptance on the shipped drafter and makes the draft
+pass cheaper (fewer adapter bytes; benchmarks/results/engine/adapter_rank.md).
+
 Candidates are evaluated in place (`layer_subset` swaps the decoder layer list, nothing is copied); the state of a
 run (continuations, baseline, every step with every candidate's tau) is written atomically to `pruning_state.json`
 after each step, so an interrupted run resumes where it stopped and reaches the same result.
@@ -187,6 +191,59 @@ def pruned_drafter(drafter: D3DForDiffusionDrafting, keep: Sequence[int]) -> D3D
     if drafter.config.shares_target_weights and drafter._attached_target is not None:
         pruned.attach_target_weights(drafter._attached_target)
     return pruned.eval()
+
+
+@torch.no_grad()
+def truncate_block_adapters(drafter: D3DForDiffusionDrafting, rank: int) -> dict[str, float]:
+    r"""Lowers the rank of every block adapter of `drafter`, in place, to `rank`: each adapter's update
+    `s B A` (`s = block_lora_alpha / r`) is replaced by its best rank-`rank` approximation in the Frobenius norm
+    (Eckart-Young: the truncated SVD), stored as new `lora_A` (`rank x in`) and `lora_B` (`out x rank`) with
+    `s' = block_lora_alpha / rank`; `config.block_lora_rank` becomes `rank`. The SVD is taken of the small
+    `r x r` core after QR factorisations of `B` and `A^T`, in float32, and the new factors keep the adapters' dtype.
+
+    Args:
+        drafter (`D3DForDiffusionDrafting`): a drafter with block adapters (`config.block_lora_rank > 0`), whose
+            projections are not wrapped (merge or unload a PEFT model first).
+        rank (`int`): the new rank, `1 <= rank <= config.block_lora_rank`.
+
+    Returns:
+        `dict[str, float]`: for each adapted module (its name in `drafter.named_modules()`), the fraction of the
+        update's squared Frobenius norm that the truncation keeps (1.0 = nothing lost).
+
+    Raises:
+        ValueError: if the drafter has no block adapters, `rank` is out of range, or a projection is wrapped.
+    """
+    from .modeling.modeling_d3d import D3DLinear
+
+    current = drafter.config.block_lora_rank
+    if current <= 0:
+        raise ValueError("This drafter has no block adapters (`block_lora_rank` is 0): there is no rank to lower.")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= current:
+        raise ValueError(f"`rank` must be a whole number in [1, {current}] (the adapters' rank), got {rank!r}.")
+    adapted = [(n, m) for n, m in drafter.named_modules() if isinstance(m, D3DLinear) and m.rank > 0]
+    wrapped = [n for n, m in drafter.named_modules() if n.endswith("_proj") and not isinstance(m, D3DLinear)]
+    if wrapped:
+        raise ValueError(
+            f"Projections {wrapped[:3]} are wrapped (e.g. by PEFT): call `merge_and_unload()` first, then truncate."
+        )
+    alpha = drafter.config.block_lora_alpha
+    kept = {}
+    for name, module in adapted:
+        dtype = module.lora_A.dtype
+        lora_a, lora_b = module.lora_A.float(), module.lora_B.float() * module.lora_scaling
+        q_b, r_b = torch.linalg.qr(lora_b)  # B = Q_b R_b, A^T = Q_a R_a: s B A = Q_b (R_b R_a^T) Q_a^T
+        q_a, r_a = torch.linalg.qr(lora_a.t())
+        u, sigma, vh = torch.linalg.svd(r_b @ r_a.t())
+        energy = sigma.square()
+        kept[name] = float(energy[:rank].sum() / energy.sum()) if float(energy.sum()) > 0 else 1.0
+        scaling = alpha / rank
+        new_b = (q_b @ u[:, :rank]) * sigma[:rank] / scaling
+        new_a = vh[:rank] @ q_a.t()
+        module.rank, module.lora_scaling = rank, scaling
+        module.lora_A = nn.Parameter(new_a.to(dtype).contiguous(), requires_grad=module.lora_A.requires_grad)
+        module.lora_B = nn.Parameter(new_b.to(dtype).contiguous(), requires_grad=module.lora_B.requires_grad)
+    drafter.config.block_lora_rank = rank
+    return kept
 
 
 @dataclass
