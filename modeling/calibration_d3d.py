@@ -460,6 +460,8 @@ def policy_for(target, drafter, store: CalibrationStore | None = None) -> tuple[
         "dtype": dtype,
         "device": device,
         "weights": _weights_fingerprint(drafter),
+        # the draft pass's weight layout (`D3DModel.fused_projections`) changes what it costs
+        "fused_projections": str(getattr(getattr(drafter, "model", None), "fused_projections", None)),
     }
     key = calibration_key(**parts)
     policy = _POLICIES.get(key)
