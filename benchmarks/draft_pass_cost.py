@@ -1,11 +1,13 @@
-"""The shipped drafter's draft pass against the target's own forward over the same number of new rows (issue 14's
-"at most 1.05x" criterion), with the block adapters fused (the inference path), per projection (the training path)
-and removed (the drafter's bare layers, which are the target's).
+"""A drafter's draft pass against the target's own forward over the same number of new rows (issue 14's "at most
+1.05x" criterion), with the fused projection weights (`D3DModel.fused_projections`, the default on CPU), the block
+adapters fused on the shared weights (`add_block_adapters`), per projection (the training path) and removed (the
+drafter's bare layers, which are the target's).
 
-One process, the four variants interleaved per repeat so that drift of the machine hits all of them alike; medians.
+One process, the variants interleaved per repeat so that drift of the machine hits all of them alike; medians.
 Run it alone on the machine:
 
-    python benchmarks/draft_pass_cost.py --dtype float32 --threads 2 [--repeats 25] [--output FILE.md]
+    python benchmarks/draft_pass_cost.py --dtype float32 --threads 2 [--repeats 25] [--drafter NAME_OR_FOLDER]
+        [--output FILE.md]
 """
 
 from __future__ import annotations
@@ -31,14 +33,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--context", type=int, default=256, help="cached tokens before each timed forward")
+    parser.add_argument("--drafter", default="d3d-smollm2-135m-instruct", help="shipped name or folder")
     parser.add_argument("--output", help="also write the table to this markdown file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, _ = load_target("smollm2-135m-instruct", dtype=args.dtype)
-    drafter = load_drafter("d3d-smollm2-135m-instruct", dtype=args.dtype)
+    drafter = load_drafter(args.drafter, dtype=args.dtype)
     drafter.attach_target_weights(target)
     fused_rule = modeling._fused_adapters_apply
-    variants = ("target", "fused", "per-projection", "no adapters")
+    variants = ("target", "fused projections", "fused adapters", "per-projection", "no adapters")
     times = {(v, q): [] for v in variants for q in ROWS}
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -56,6 +59,7 @@ def main() -> None:
                         target_cache.crop(-q)
                     else:
                         rank = drafter.config.block_lora_rank
+                        drafter.model._fused_projections = variant == "fused projections"  # kept built
                         if variant == "no adapters":
                             drafter.config.block_lora_rank = 0
                         elif variant == "per-projection":
@@ -71,13 +75,15 @@ def main() -> None:
                         times[(variant, q)].append(elapsed)
     cpu = cpu_model()
     lines = [
-        f"Draft pass vs target forward, SmolLM2-135M-Instruct + d3d-smollm2-135m-instruct, {args.dtype}, "
-        f"{args.threads} threads, {args.context} cached tokens, median of {args.repeats}; CPU {cpu.get('model')} "
-        f"({', '.join(k for k, v in cpu.items() if v is True)}). Command: `python benchmarks/draft_pass_cost.py "
-        f"--dtype {args.dtype} --threads {args.threads} --repeats {args.repeats}`",
+        f"Draft pass vs target forward, SmolLM2-135M-Instruct + {args.drafter} (block adapters of rank "
+        f"{drafter.config.block_lora_rank}), {args.dtype}, {args.threads} threads, {args.context} cached tokens, "
+        f"median of {args.repeats}; CPU {cpu.get('model')} ({', '.join(k for k, v in cpu.items() if v is True)}). "
+        f"Command: `python benchmarks/draft_pass_cost.py --dtype {args.dtype} --threads {args.threads} "
+        f"--repeats {args.repeats} --drafter {args.drafter}`",
         "",
-        "| rows | target ms | drafter, fused adapters | per-projection adapters | no adapters |",
-        "|---|---|---|---|---|",
+        "| rows | target ms | drafter, fused projections (default on CPU) | fused adapters on shared weights | "
+        "per-projection adapters | no adapters |",
+        "|---|---|---|---|---|---|",
     ]
     for q in ROWS:
         base = statistics.median(times[("target", q)])

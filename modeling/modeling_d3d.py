@@ -658,11 +658,12 @@ class D3DModel(D3DPreTrainedModel):
     def fused_projections(self) -> str | bool:
         """Whether forwards with block rows run outside autograd on `FusedProjections` (not saved).
 
-        `"auto"` (the default): on CPU only, where a pass over a few rows is bound by the number of matmul calls and
-        the fused layout brings the draft pass to the target's own forward over the same rows (measured:
-        benchmarks/results/engine/draft_pass.md); `True`: on every device; `False`: never. The fused weights are a
-        second copy of the layers' weights (e.g. about 425 MB for SmolLM2-135M in float32, half that in bfloat16),
-        built at the first such forward and rebuilt when a weight changes; setting `False` frees them.
+        `"auto"` (the default): on CPU, where a pass over a few rows is bound by the number of matmul calls and the
+        fused layout brings the draft pass to the target's own forward over the same rows (measured:
+        benchmarks/results/engine/draft_pass.md), as long as the copy takes at most 10% of the machine's physical
+        memory; `True`: on every device; `False`: never. The fused weights are a second copy of the layers' weights
+        (e.g. about 460 MB for SmolLM2-135M in float32, half that in bfloat16), built at the first such forward and
+        rebuilt when a weight changes; setting `False` frees them.
 
         Raises:
             ValueError: (on assignment) for any other value.
@@ -679,6 +680,22 @@ class D3DModel(D3DPreTrainedModel):
                 for cache in (getattr(module, "_adapter_cache", None), getattr(module, "_out_adapter_cache", None)):
                     if cache is not None:
                         cache.pop("fused_projections", None)
+
+    def _auto_fused(self, device: torch.device) -> bool:
+        """`fused_projections="auto"`'s rule: CPU, and the layers' weights at most 10% of physical memory."""
+        if device.type != "cpu":
+            return False
+        key = (len(self.layers), self.embed_tokens.weight.dtype)  # the decision is cached: this runs every forward
+        cached = self.__dict__.get("_auto_fused_decision")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        layer_bytes = sum(p.numel() * p.element_size() for p in self.layers.parameters())
+        try:
+            memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, OSError, ValueError):  # not a POSIX system: assume it fits
+            memory = float("inf")
+        self._auto_fused_decision = (key, layer_bytes <= 0.1 * memory)
+        return self._auto_fused_decision[1]
 
     def fused_projections_bytes(self) -> int:
         """Bytes held by the fused projection weights built so far (0 when none)."""
@@ -815,7 +832,7 @@ class D3DModel(D3DPreTrainedModel):
             block_positions = masked_positions
         block_rows = None
         if self.config.block_lora_rank > 0 and block_positions is not None:
-            fused = self.fused_projections is True or (self.fused_projections == "auto" and device.type == "cpu")
+            fused = self.fused_projections is True or (self.fused_projections == "auto" and self._auto_fused(device))
             block_rows = BlockRows.of(block_positions, hidden_states.dtype, fused and not torch.is_grad_enabled())
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         for layer in self.layers:

@@ -2,6 +2,8 @@
 layer selection), the mask embedding or a spare vocabulary id, attention implementations, forward input
 errors."""
 
+import os
+
 import pytest
 import torch
 from _tiny import FAMILIES, random_prompt, tiny_target
@@ -136,7 +138,7 @@ def test_fused_block_adapters_follow_weight_updates(fused_projections):
     torch.testing.assert_close(drafter.draft_logits(ids, cache, num_masks=0)[:, -1], plain)
 
 
-def test_fused_projections_option_memory_and_errors():
+def test_fused_projections_option_memory_and_errors(monkeypatch):
     drafter = _adapted_drafter(fused_projections="auto")  # the default: on CPU, fused
     assert D3DForDiffusionDrafting(drafter.config).model.fused_projections == "auto"
     ids, block = random_prompt(8), torch.zeros(1, 8, dtype=torch.bool)
@@ -154,6 +156,11 @@ def test_fused_projections_option_memory_and_errors():
         drafter.model.fused_projections = True
         drafter(ids)
         assert drafter.model.fused_projections_bytes() == 0
+    monkeypatch.setattr(os, "sysconf", lambda name: 1000 if name == "SC_PHYS_PAGES" else 4096)  # a 4 MB machine
+    drafter.model.fused_projections, drafter.model._auto_fused_decision = "auto", None
+    with torch.no_grad():
+        drafter(ids, block_positions=block)
+    assert drafter.model.fused_projections_bytes() == 0, "'auto' keeps off a copy that would not fit"
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="'auto', True or False"):
             drafter.model.fused_projections = bad
