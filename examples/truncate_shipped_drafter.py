@@ -11,6 +11,7 @@ other weights): re-measure and add them with `examples/update_shipped_card.py`.
 """
 
 import argparse
+import json
 from pathlib import Path
 
 from d3d_hf.drafters import KNOWN_DRAFTERS, load_drafter
@@ -44,8 +45,12 @@ def main() -> None:
     drafter.card_data = card
     # save_pretrained writes the weights, config and card atomically (the remote-code bundle is not shipped here)
     drafter.save_pretrained(folder)
-    for extra in folder.glob("*_d3d.py"):
+    for extra in folder.glob("*_d3d.py"):  # shipped without the bundle, as examples/ship_smollm2_drafter.py does
         extra.unlink()
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("auto_map", None)
+    config.pop("pruned_layer_ids", None)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     write_model_card(drafter, folder)
     print(f"{folder}: rank {before} -> {args.rank}; card results cleared (re-measure, then update_shipped_card.py)")
 

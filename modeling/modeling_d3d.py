@@ -316,7 +316,7 @@ def project(projections: list[nn.Module], x: torch.Tensor, rows: BlockRows | Non
         gate = rows.gate if rows is not None else None
         gated = x * gate if gate is not None and any(getattr(p, "rank", 0) > 0 for p in projections) else None
         return [proj(x, gate, gated) for proj in projections]
-    if rows.fused:
+    if rows.fused and (rows.start is None or rows.start < x.shape[1]):  # not for a pass without block rows
         key = _weights_key(projections, x)
         fused = cache.get("fused_projections")
         if fused is None or fused[0] != key:
