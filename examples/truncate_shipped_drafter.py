@@ -38,7 +38,7 @@ def main() -> None:
     training = dict(card.training or {})
     training["adapter_rank"] = (
         f"trained at rank {before}, truncated to rank {args.rank} by truncated SVD "
-        f"(d3d_hf.pruning.truncate_block_adapters: update norm kept {min(kept.values()):.2f}-"
+        f"(d3d_hf.pruning.truncate_block_adapters: update energy kept {min(kept.values()):.2f}-"
         f"{max(kept.values()):.2f}, mean {sum(kept.values()) / len(kept):.2f}; examples/truncate_shipped_drafter.py)"
     )
     card.training, card.results = training, []
