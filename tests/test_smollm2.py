@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from d3d_hf import D3DForDiffusionDrafting
+from d3d_hf import D3DCache, D3DForDiffusionDrafting
 from d3d_hf.prompts import encode_prompt, load_prompts
 
 
@@ -122,3 +122,35 @@ def test_twenty_humaneval_prompts_lossless_async(smollm2):
         assert total["hits"] > 0, num_hypotheses
         print(f"hypotheses={num_hypotheses} tau={total['new_tokens'] / total['rounds']:.3f} "
               f"hit_rate={total['hits'] / (total['hits'] + total['misses']):.3f} {total}")
+
+
+def test_shipped_drafter_fused_projections_on_smollm2(smollm2):
+    """The shipped drafter's default CPU layout (fused projection weights, issue 14) on the real target: the same
+    draft logits as the shared-weight path up to float rounding, the same drafts, and lossless decoding with the
+    full block every round (so the draft passes really run)."""
+    from transformers import GenerationConfig
+
+    from d3d_hf.drafters import load_drafter
+
+    model, tokenizer = smollm2
+    drafter = load_drafter("d3d-smollm2-135m-instruct")
+    drafter.attach_target_weights(model)
+    assert drafter.model.fused_projections == "auto"
+    ids = encode_prompt(tokenizer, load_prompts("humaneval", limit=1)[0])
+    with torch.no_grad():
+        logits = {}
+        for fused in (True, False):
+            drafter.model.fused_projections = fused
+            cache = D3DCache()
+            drafter.draft_logits(ids[:, :-1], cache, num_masks=0)
+            logits[fused] = drafter.draft_logits(ids[:, -1:], cache, num_masks=15)
+        assert drafter.model.fused_projections_bytes() == 0
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=2e-3)
+    assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
+    drafter.model.fused_projections = "auto"
+    ref = _generate(model, ids, max_new_tokens=40)
+    config = GenerationConfig(max_new_tokens=40, do_sample=False, d3d_num_drafts="full", d3d_prompt_lookup=False)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, generation_config=config)
+    assert out[0].tolist() == ref[0].tolist()
+    assert drafter.model.fused_projections_bytes() > 100 * 2**20, "the fused copy was built and used"
+    assert drafter.last_generation_stats.tau > 2.0
