@@ -272,7 +272,8 @@ class FusedProjections:
             self.block_b = None
             if adapted:
                 block_b = torch.zeros(sum(p.rank for p in adapted), self.base_width, device=device, dtype=dtype)
-                row, offsets = 0, dict(zip(map(id, projections), torch.tensor([0, *self.widths]).cumsum(0).tolist()))
+                starts = torch.tensor([0, *self.widths[:-1]]).cumsum(0).tolist()
+                row, offsets = 0, dict(zip(map(id, projections), starts, strict=True))
                 for p in adapted:
                     col = offsets[id(p)]
                     block_b[row : row + p.rank, col : col + p.out_features] = (p.lora_B * p.lora_scaling).t()
@@ -661,9 +662,9 @@ class D3DModel(D3DPreTrainedModel):
         `"auto"` (the default): on CPU, where a pass over a few rows is bound by the number of matmul calls (the
         shipped drafter's bfloat16 pass: 1.10-1.14x the target's own forward over the same rows with them, 1.36-1.45x
         without; float32 about the same either way; benchmarks/results/engine/draft_pass.md), as long as the copy
-        takes at most 10% of the machine's physical memory; `True`: on every device; `False`: never. The fused weights are a second copy of the layers' weights
-        (e.g. about 460 MB for SmolLM2-135M in float32, half that in bfloat16), built at the first such forward and
-        rebuilt when a weight changes; setting `False` frees them.
+        takes at most 10% of the machine's physical memory; `True`: on every device; `False`: never. The fused
+        weights are a second copy of the layers' weights (e.g. about 460 MB for SmolLM2-135M in float32, half that in
+        bfloat16), built at the first such forward and rebuilt when a weight changes; setting `False` frees them.
 
         Raises:
             ValueError: (on assignment) for any other value.
@@ -676,10 +677,15 @@ class D3DModel(D3DPreTrainedModel):
             raise ValueError(f"`fused_projections` must be 'auto', True or False, got {value!r}.")
         self._fused_projections = value
         if value is False:
-            for module in self.modules():
-                for cache in (getattr(module, "_adapter_cache", None), getattr(module, "_out_adapter_cache", None)):
-                    if cache is not None:
-                        cache.pop("fused_projections", None)
+            for cache in self._projection_caches():
+                cache.pop("fused_projections", None)
+
+    def _projection_caches(self):
+        """The per-group caches of derived weights (`project`) of every attention and MLP block."""
+        for module in self.modules():
+            for cache in (getattr(module, "_adapter_cache", None), getattr(module, "_out_adapter_cache", None)):
+                if cache is not None:
+                    yield cache
 
     def _auto_fused(self, device: torch.device) -> bool:
         """`fused_projections="auto"`'s rule: CPU, and the layers' weights at most 10% of physical memory."""
@@ -699,12 +705,8 @@ class D3DModel(D3DPreTrainedModel):
 
     def fused_projections_bytes(self) -> int:
         """Bytes held by the fused projection weights built so far (0 when none)."""
-        total = 0
-        for module in self.modules():
-            for cache in (getattr(module, "_adapter_cache", None), getattr(module, "_out_adapter_cache", None)):
-                if cache and "fused_projections" in cache:
-                    total += cache["fused_projections"][1].memory_bytes
-        return total
+        caches = self._projection_caches()
+        return sum(c["fused_projections"][1].memory_bytes for c in caches if "fused_projections" in c)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
