@@ -26,7 +26,13 @@ import torch
 from transformers.generation import GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .tree_d3d import DraftTree, check_tree_cache, greedy_tree_path, keep_cache_path, sample_tree_path, tree_attention_inputs
+from .tree_d3d import (
+    check_tree_cache,
+    greedy_tree_path,
+    keep_cache_path,
+    sample_tree_path,
+    tree_attention_inputs,
+)
 
 try:  # the chain rule of transformers' own loop, so that chain rounds consume the random stream identically
     from transformers.generation.utils import _speculative_sampling

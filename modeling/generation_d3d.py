@@ -25,8 +25,8 @@ from .calibration_d3d import CalibrationStore, policy_for
 from .configuration_d3d import validate_config
 from .decoding_d3d import install_decoding_hook, remove_decoding_hook
 from .drafting_d3d import D3DCache
-from .lookup_d3d import lookup_match
 from .estimates_d3d import expected_tokens
+from .lookup_d3d import lookup_match
 from .policy_d3d import DraftPolicy
 from .runtime_d3d import PackedPassWorker, RoundClock, default_worker_threads, timed
 from .tree_d3d import DraftTree, build_draft_tree

@@ -14,14 +14,8 @@ import itertools
 import pytest
 import torch
 from _tiny import FAMILIES, chi_square_p_value, perturbed_drafter, random_prompt, tiny_target
-from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
-from transformers.generation import GenerationMixin
-from transformers.generation.streamers import BaseStreamer
-
-from d3d_hf import D3DForDiffusionDrafting, install_generation_hook, remove_generation_hook
-from d3d_hf.modeling import decoding_d3d
-from d3d_hf.modeling.policy_d3d import DraftPolicy
 from d3d_hf.modeling.estimates_d3d import CostCurve
+from d3d_hf.modeling.policy_d3d import DraftPolicy
 from d3d_hf.modeling.tree_d3d import (
     DraftTree,
     build_draft_tree,
@@ -30,6 +24,11 @@ from d3d_hf.modeling.tree_d3d import (
     sample_tree_path,
     tree_attention_inputs,
 )
+from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.generation import GenerationMixin
+from transformers.generation.streamers import BaseStreamer
+
+from d3d_hf import D3DForDiffusionDrafting, install_generation_hook, remove_generation_hook
 
 # ----------------------------------------------------------------------------------------------------------------------
 # trees
