@@ -12,7 +12,7 @@ its tau equals the tau of `target.generate(..., assistant_model=drafter)` exactl
 
 `truncate_block_adapters` prunes the other way: it lowers the rank of every block adapter to its best
 approximation of that rank (truncated SVD), which costs little acceptance on the shipped drafter and makes the draft
-pass cheaper (fewer adapter bytes; benchmarks/results/engine/adapter_rank.md).
+pass cheaper (fewer adapter bytes; held-out tau by rank: benchmarks/results/rank/).
 
 Candidates are evaluated in place (`layer_subset` swaps the decoder layer list, nothing is copied); the state of a
 run (continuations, baseline, every step with every candidate's tau) is written atomically to `pruning_state.json`
