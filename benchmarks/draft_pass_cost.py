@@ -1,7 +1,8 @@
 """A drafter's draft pass against the target's own forward over the same number of new rows (issue 14's "at most
-1.05x" criterion), with the fused projection weights (`D3DModel.fused_projections`, the default on CPU), the block
-adapters fused on the shared weights (`add_block_adapters`), per projection (the training path) and removed (the
-drafter's bare layers, which are the target's).
+1.05x" criterion): the default on CPU (fused projection weights, `D3DModel.fused_projections`, with matmul layouts
+chosen by timing, `D3DModel.autotune_matmuls`), the fused weights with `nn.Linear`'s layout only, the block adapters
+fused on the shared weights (`add_block_adapters`, autotuned), per projection (the training path, `nn.Linear`) and
+removed (the drafter's bare layers, which are the target's, with `nn.Linear`).
 
 One process, the variants interleaved per repeat so that drift of the machine hits all of them alike; medians.
 Run it alone on the machine:
@@ -25,6 +26,7 @@ from d3d_hf.drafters import load_drafter
 from d3d_hf.targets import load_target
 
 ROWS = (1, 2, 4, 8, 16)
+WARMUP = 8  # untimed rounds: the matmul layouts of each row count are chosen in the first 6 passes
 
 
 def main() -> None:
@@ -41,13 +43,13 @@ def main() -> None:
     drafter = load_drafter(args.drafter, dtype=args.dtype)
     drafter.attach_target_weights(target)
     fused_rule = modeling._fused_adapters_apply
-    variants = ("target", "fused projections", "fused adapters", "per-projection", "no adapters")
+    variants = ("target", "fused projections", "untuned", "fused adapters", "per-projection", "no adapters")
     times = {(v, q): [] for v in variants for q in ROWS}
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         cache = _prefilled_drafter_cache(drafter, args.context, 16, g, target)
         target_cache = target(torch.randint(0, 49152, (1, args.context), generator=g), use_cache=True).cache
-        for rep in range(args.repeats + 3):
+        for rep in range(args.repeats + WARMUP):
             for q in ROWS:
                 anchor = torch.randint(0, 49152, (1, 1), generator=g)
                 rows = torch.randint(0, 49152, (1, q), generator=g)
@@ -59,7 +61,8 @@ def main() -> None:
                         target_cache.crop(-q)
                     else:
                         rank = drafter.config.block_lora_rank
-                        drafter.model._fused_projections = variant == "fused projections"  # kept built
+                        drafter.model._fused_projections = variant in ("fused projections", "untuned")  # kept built
+                        drafter.model.autotune_matmuls = variant in ("fused projections", "fused adapters")
                         if variant == "no adapters":
                             drafter.config.block_lora_rank = 0
                         elif variant == "per-projection":
@@ -71,7 +74,7 @@ def main() -> None:
                             drafter.config.block_lora_rank = rank
                             modeling._fused_adapters_apply = fused_rule
                         cache.crop(args.context)
-                    if rep >= 3:
+                    if rep >= WARMUP:
                         times[(variant, q)].append(elapsed)
     cpu = cpu_model()
     lines = [
@@ -81,9 +84,10 @@ def main() -> None:
         f"Command: `python benchmarks/draft_pass_cost.py --dtype {args.dtype} --threads {args.threads} "
         f"--repeats {args.repeats} --drafter {args.drafter}`",
         "",
-        "| rows | target ms | drafter, fused projections (default on CPU) | fused adapters on shared weights | "
-        "per-projection adapters | no adapters |",
-        "|---|---|---|---|---|---|",
+        "| rows | target ms | drafter (default on CPU: fused projections, autotuned matmul layouts) | fused "
+        "projections, `nn.Linear` layout | fused adapters on shared weights (autotuned) | per-projection adapters | "
+        "no adapters (the target's layers) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for q in ROWS:
         base = statistics.median(times[("target", q)])
@@ -92,6 +96,9 @@ def main() -> None:
             t = statistics.median(times[(variant, q)])
             cells.append(f"{1e3 * t:.1f} ({t / base:.2f}x)")
         lines.append(f"| {q} | " + " | ".join(cells) + " |")
+    lines += ["", "Matmul layouts chosen (`MatmulLayouts`; weight shape, rows: layout):", ""]
+    for (shape, rows, _dtype, bias, _threads), layout in sorted(modeling.MATMUL_LAYOUTS.choices.items(), key=str):
+        lines.append(f"- {shape[0]}x{shape[1]}{' + bias' if bias else ''}, {rows} rows: `{layout}`")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.output:

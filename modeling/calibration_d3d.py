@@ -274,9 +274,15 @@ class CalibrationStore:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _median_seconds(fn, reset, repeats: int, sync) -> float:
-    fn()  # warm-up
-    reset()
+def _median_seconds(fn, reset, repeats: int, sync, trials=None) -> float:
+    """The median time of `repeats` calls of `fn` after a warm-up call, and after more warm-up calls (at most 16)
+    while a call changes `trials()` (optional: a count of calls that timed alternatives, which change the cost)."""
+    for _ in range(17):
+        before = trials() if trials is not None else None
+        fn()  # warm-up
+        reset()
+        if trials is None or trials() == before:
+            break
     times = []
     for _ in range(repeats):
         sync()
@@ -315,7 +321,8 @@ def measure_cost_curves(
     - drafter: prefills a `D3DCache` with the context, and times draft passes of `q` rows, 1 committed token plus
       `q - 1` masks (`drafter.draft_logits(committed_ids, cache, num_masks=q - 1)`), cropping back after each.
 
-    Each time is the median of `repeats` after one warm-up call, under `torch.no_grad()` with both models in eval
+    Each time is the median of `repeats` after one warm-up call (for the drafter, more until one runs on chosen matmul
+    layouts only: `D3DModel.matmul_layout_trials`), under `torch.no_grad()` with both models in eval
     mode (their previous modes are restored). On CUDA the device is synchronised around each call. A drafter that
     shares its target's weights gets them attached first. Rows above the drafter's block size time a longer block.
 
@@ -380,6 +387,8 @@ def measure_cost_curves(
                 if extra > 0:
                     cache.crop(-extra)
 
+            # time draft passes once their matmul layouts are chosen (`D3DModel.autotune_matmuls`)
+            layout_trials = getattr(getattr(drafter, "model", None), "matmul_layout_trials", None)
             drafter_cache = D3DCache()
             drafter.draft_logits(context.to(drafter_device), drafter_cache, num_masks=0)
             for q in rows:
@@ -396,6 +405,7 @@ def measure_cost_curves(
                     lambda: drafter_cache.crop(context_length),
                     repeats,
                     sync,
+                    layout_trials,
                 )
     finally:
         target.train(modes[0])
@@ -460,8 +470,9 @@ def policy_for(target, drafter, store: CalibrationStore | None = None) -> tuple[
         "dtype": dtype,
         "device": device,
         "weights": _weights_fingerprint(drafter),
-        # the draft pass's weight layout (`D3DModel.fused_projections`) changes what it costs
+        # the draft pass's weight layout (`D3DModel.fused_projections`) and matmul layouts change what it costs
         "fused_projections": str(getattr(getattr(drafter, "model", None), "fused_projections", None)),
+        "autotune_matmuls": str(getattr(getattr(drafter, "model", None), "autotune_matmuls", None)),
     }
     key = calibration_key(**parts)
     policy = _POLICIES.get(key)

@@ -10,6 +10,8 @@ shape `(batch_size, 1, query_len, key_len)`; `key_len` counts the cached tokens 
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -149,22 +151,34 @@ class BlockRows:
     """The rows of one forward where the block adapters apply (`D3DModel.forward` builds it once per forward).
 
     Attributes:
-        gate (`torch.Tensor` of shape `(batch_size, seq_len, 1)`): 1 at block rows, 0 elsewhere, in the hidden dtype.
+        gate (`torch.Tensor` of shape `(batch_size, seq_len, 1)` or `None`): 1 at block rows, 0 elsewhere, in the
+            hidden dtype; `None` for a forward without block rows (then only `layouts` counts)
         fused (`bool`): whether the decoder layers run `FusedProjections` (outside autograd) in this forward.
+        layouts (`MatmulLayouts` or `None`): what runs the projections' matmuls outside autograd
+            (`D3DModel.autotune_matmuls`); `None`: `nn.functional.linear`.
         start (`int` or `None`): when the block rows are exactly rows `start..seq_len-1` of every sequence (every
             synchronous draft pass: committed tokens first, then the masks), their first row; `None` otherwise.
             Then the adapters run on those rows only instead of on gated copies of all rows (same values, less work).
     """
 
-    gate: torch.Tensor
+    gate: torch.Tensor | None
     start: int | None = None
     fused: bool = False
+    layouts: MatmulLayouts | None = None
 
     @classmethod
-    def of(cls, block_positions: torch.BoolTensor, dtype: torch.dtype, fused: bool = False) -> BlockRows:
+    def of(
+        cls,
+        block_positions: torch.BoolTensor,
+        dtype: torch.dtype,
+        fused: bool = False,
+        layouts: MatmulLayouts | None = None,
+    ) -> BlockRows:
         """Builds the rows from a `(batch_size, seq_len)` boolean mask. The suffix test reads the mask on the host,
         so it is made only for CPU tensors outside autograd (elsewhere `start` stays `None`: no device sync).
-        `fused`: whether this forward runs the fused projection weights (`D3DModel.fused_projections`)."""
+        `fused`: whether this forward runs the fused projection weights (`D3DModel.fused_projections`); `layouts`:
+        the `MatmulLayouts` that run its projections' matmuls (`D3DModel.autotune_matmuls`), `None` for
+        `nn.functional.linear`."""
         gate = block_positions[..., None].to(dtype)
         start = None
         if block_positions.device.type == "cpu" and not torch.is_grad_enabled():
@@ -173,7 +187,7 @@ class BlockRows:
             count = int(counts[0])
             if bool((counts == count).all()) and bool(block_positions[:, seq_len - count :].all()):
                 start = seq_len - count
-        return cls(gate, start, fused)
+        return cls(gate, start, fused, layouts)
 
 
 def add_block_adapters(
@@ -238,6 +252,92 @@ def _weights_key(modules: list[nn.Module], x: torch.Tensor) -> tuple:
         return (*((p.data_ptr(), -1 if p.is_inference() else p._version) for p in params), x.dtype, x.device)
 
 
+class MatmulLayouts:
+    r"""Chooses, on this machine, the faster of two equivalent ways to compute `x W^T + b` for an `x` of a few rows:
+    `nn.Linear`'s `x W^T` or `(W x^T)^T`, by timing both on real calls ("explore, then commit", the idea of Triton's
+    and `torch.compile`'s autotuning, without a separate benchmark run).
+
+    Both read the same weight storage and give the same values up to float rounding, but BLAS libraries pick
+    different kernels for them. Measured on an AMD EPYC (Zen 4, MKL 2024.2, 2 threads; d3d-hf issue 14,
+    benchmarks/results/engine/matmul_layouts.md): float32 with 2-4 rows ran 2-5x faster as `W x^T` (the tied LM head
+    of SmolLM2, 2 rows: 23 ms against 4.3 ms), 6-16 rows about even, and bfloat16 (oneDNN) 10-40% faster as `x W^T`;
+    other CPUs and libraries differ, hence the measurement. Used outside autograd on CPU for at most `max_rows` rows
+    (the draft passes: `FusedProjections`, the drafter's LM head); everything else runs `nn.functional.linear`.
+
+    The choice is made per `(weight shape, rows, dtype, bias, threads)` from the first `2 * samples` calls with that
+    key (alternating layouts, every result used), by the median time, and kept for the process (`choices`).
+
+    Attributes:
+        max_rows (`int`, defaults to 32): inputs with more rows always run `x W^T`.
+        samples (`int`, defaults to 3): timed calls per layout before the choice.
+        clock (`Callable[[], float]`, defaults to `time.perf_counter`): the timer (seconds).
+        choices (`dict`): key -> `"x W^T"` or `"W x^T"`, the layouts chosen so far.
+    """
+
+    LAYOUTS = ("x W^T", "W x^T")
+
+    def __init__(self, max_rows: int = 32, samples: int = 3, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.max_rows, self.samples, self.clock = max_rows, samples, clock
+        self.choices: dict[tuple, str] = {}
+        self._trials: dict[tuple, tuple[list[float], list[float]]] = {}
+        self._timed_calls = 0
+
+    @staticmethod
+    def _run(layout: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layout == "x W^T":
+            return nn.functional.linear(x, weight, bias)
+        # contiguous like `x W^T`'s result: what reads it next (e.g. SDPA's flash kernel) depends on the strides
+        if bias is None:
+            return torch.mm(weight, x.t()).t().contiguous()
+        return torch.addmm(bias[:, None], weight, x.t()).t().contiguous()
+
+    def settled(self) -> bool:
+        """Whether no key is still being timed."""
+        return not self._trials
+
+    @property
+    def timed_calls(self) -> int:
+        """Calls so far that ran while their key was being timed (a call that leaves it unchanged ran only on
+        chosen layouts)."""
+        return self._timed_calls
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`x W^T + b` (`nn.functional.linear`'s values) by the layout chosen for this key, timing the candidates
+        while none is chosen.
+
+        Args:
+            x (`torch.Tensor` of shape `(..., in_features)`): the input; its leading dimensions together are the rows.
+            weight (`torch.Tensor` of shape `(out_features, in_features)`), bias (`(out_features,)`, *optional*).
+
+        Returns:
+            `torch.Tensor` of shape `(..., out_features)`, contiguous, in `x`'s dtype.
+        """
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if rows == 0 or rows > self.max_rows or x.device.type != "cpu" or torch.is_grad_enabled():
+            return nn.functional.linear(x, weight, bias)
+        flat = x.reshape(rows, x.shape[-1])
+        key = (tuple(weight.shape), rows, x.dtype, bias is not None, torch.get_num_threads())
+        layout = self.choices.get(key)
+        if layout is None:
+            trials = self._trials.setdefault(key, ([], []))
+            which = 0 if len(trials[0]) <= len(trials[1]) else 1
+            start = self.clock()
+            out = self._run(self.LAYOUTS[which], flat, weight, bias)
+            trials[which].append(self.clock() - start)
+            self._timed_calls += 1
+            if min(len(t) for t in trials) >= self.samples:
+                medians = [statistics.median(t) for t in trials]
+                self.choices[key] = self.LAYOUTS[medians.index(min(medians))]
+                del self._trials[key]
+        else:
+            out = self._run(layout, flat, weight, bias)
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+
+MATMUL_LAYOUTS = MatmulLayouts()
+"""The process's layout choices (a property of the machine, shared by every drafter)."""
+
+
 class FusedProjections:
     r"""One weight for the projections of a layer that read the same input, with their block adapters folded in:
     the inference layout of `D3DModel.fused_projections` (d3d-hf issue 14: bring a draft pass's cost to the target's
@@ -289,7 +389,8 @@ class FusedProjections:
     def __call__(self, x: torch.Tensor, rows: BlockRows) -> list[torch.Tensor]:
         """The projections' outputs `x W_i^T + b_i`, plus their adapters on `rows`: a list of views of one
         `(batch_size, seq_len, sum(out_i) + n * rank)` tensor, `(batch_size, seq_len, out_i)` each."""
-        y = nn.functional.linear(x, self.weight, self.bias)
+        linear = rows.layouts.linear if rows.layouts is not None else nn.functional.linear
+        y = linear(x, self.weight, self.bias)
         base, down = y[..., : self.base_width], y[..., self.base_width :]
         if self.block_b is not None:
             if rows.start is not None:
@@ -315,8 +416,11 @@ def project(projections: list[nn.Module], x: torch.Tensor, rows: BlockRows | Non
     group between calls (rebuilt when a weight changes: `_weights_key`)."""
     if not _fused_adapters_apply(projections, rows):
         gate = rows.gate if rows is not None else None
-        gated = x * gate if gate is not None and any(getattr(p, "rank", 0) > 0 for p in projections) else None
-        return [proj(x, gate, gated) for proj in projections]
+        adapted = gate is not None and any(getattr(p, "rank", 0) > 0 for p in projections)
+        layouts = rows.layouts if rows is not None else None
+        if not adapted and layouts is not None and all(type(p) is D3DLinear for p in projections):
+            return [layouts.linear(x, proj.weight, proj.bias) for proj in projections]
+        return [proj(x, gate, x * gate if adapted else None) for proj in projections]
     if rows.fused and (rows.start is None or rows.start < x.shape[1]):  # not for a pass without block rows
         key = _weights_key(projections, x)
         fused = cache.get("fused_projections")
@@ -324,7 +428,10 @@ def project(projections: list[nn.Module], x: torch.Tensor, rows: BlockRows | Non
             cache.pop("fused_projections", None)  # free the old copy before building the new one
             fused = cache["fused_projections"] = (key, FusedProjections(projections, x.dtype, x.device))
         return fused[1](x, rows)
-    outputs = [proj(x) for proj in projections]
+    if rows.layouts is not None:
+        outputs = [rows.layouts.linear(x, proj.weight, proj.bias) for proj in projections]
+    else:
+        outputs = [proj(x) for proj in projections]
     add_block_adapters(projections, x, outputs, rows, cache)
     return outputs
 
@@ -335,6 +442,7 @@ def _fused_adapters_apply(projections: list[nn.Module], rows: BlockRows | None) 
     `D3DLinear` inside) and forwards without block rows."""
     return (
         rows is not None
+        and rows.gate is not None
         and not torch.is_grad_enabled()
         and all(type(p) is D3DLinear for p in projections)
         and any(p.rank > 0 for p in projections)
@@ -653,7 +761,33 @@ class D3DModel(D3DPreTrainedModel):
         # how packed passes attend (not saved): `drafting_d3d.PACKED_ATTENTION_IMPLEMENTATIONS`
         self.packed_attention_implementation = "auto"
         self.fused_projections = "auto"
+        self.autotune_matmuls = True
         self.post_init()
+
+    @property
+    def autotune_matmuls(self) -> bool:
+        """Whether forwards outside autograd on CPU run their projections' and the LM head's matmuls of at most 32
+        rows (the draft passes) through `MatmulLayouts`, which times the two equivalent layouts of each shape on
+        this machine and keeps the faster (not saved; default `True`). On the machine of d3d-hf issue 14 it made the
+        shipped drafter's float32 pass over 2-4 rows 1.7x faster (benchmarks/results/engine/draft_pass.md). `False`
+        runs `nn.functional.linear` everywhere, e.g. for bit-reproducible drafts across processes (the layouts round
+        differently and are chosen by timing).
+
+        Raises:
+            ValueError: (on assignment) for a value that is not a `bool`.
+        """
+        return self._autotune_matmuls
+
+    @autotune_matmuls.setter
+    def autotune_matmuls(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"`autotune_matmuls` must be True or False, got {value!r}.")
+        self._autotune_matmuls = value
+
+    def matmul_layout_trials(self) -> int:
+        """`MatmulLayouts.timed_calls` of the layouts this model runs on: a forward that leaves it unchanged ran on
+        chosen layouts only, so timing code (`calibration_d3d.measure_cost_curves`) warms up until one does."""
+        return MATMUL_LAYOUTS.timed_calls
 
     @property
     def fused_projections(self) -> str | bool:
@@ -832,10 +966,13 @@ class D3DModel(D3DPreTrainedModel):
             raise ValueError("Reading a cache without extending it is not supported: pass `use_cache=True`.")
         if block_positions is None:
             block_positions = masked_positions
-        block_rows = None
+        layouts = MATMUL_LAYOUTS if self.autotune_matmuls and not torch.is_grad_enabled() else None
+        block_rows = None if layouts is None else BlockRows(gate=None, layouts=layouts)
         if self.config.block_lora_rank > 0 and block_positions is not None:
             fused = self.fused_projections is True or (self.fused_projections == "auto" and self._auto_fused(device))
-            block_rows = BlockRows.of(block_positions, hidden_states.dtype, fused and not torch.is_grad_enabled())
+            block_rows = BlockRows.of(
+                block_positions, hidden_states.dtype, fused and not torch.is_grad_enabled(), layouts
+            )
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         for layer in self.layers:
             hidden_states = layer(
@@ -1076,7 +1213,10 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         hidden_states = outputs.last_hidden_state
         if logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
-        outputs.logits = self.lm_head(hidden_states)
+        if self.model.autotune_matmuls and type(self.lm_head) is nn.Linear:  # not a wrapped (e.g. PEFT) head
+            outputs.logits = MATMUL_LAYOUTS.linear(hidden_states, self.lm_head.weight, self.lm_head.bias)
+        else:
+            outputs.logits = self.lm_head(hidden_states)
         return outputs
 
     def draft_logits(

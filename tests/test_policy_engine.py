@@ -173,6 +173,9 @@ def test_calibration_is_measured_once_keyed_and_restored_from_disk(monkeypatch):
     drafter.model.fused_projections = False  # another weight layout of the draft pass costs otherwise
     _greedy(target, ids, drafter, max_new_tokens=8)
     assert len(measured) == 3 and len(calibration_d3d._POLICIES) == 3
+    drafter.model.autotune_matmuls = False  # and so do other matmul layouts
+    _greedy(target, ids, drafter, max_new_tokens=8)
+    assert len(measured) == 4 and len(calibration_d3d._POLICIES) == 4
 
 
 def test_adaptive_async_steps_aside_on_cpu_and_fixed_modes_keep_it():

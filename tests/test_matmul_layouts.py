@@ -1,0 +1,145 @@
+"""Matmul layouts chosen by timing (`MatmulLayouts`, `D3DModel.autotune_matmuls`; d3d-hf issue 14): both layouts
+give `nn.functional.linear`'s values, the faster one (by the clock) is kept per key, and draft passes, the LM head
+and the cost calibration use it only where they should."""
+
+import d3d_hf.modeling.calibration_d3d as calibration_d3d
+import d3d_hf.modeling.modeling_d3d as modeling
+import pytest
+import torch
+from _tiny import random_prompt, tiny_target
+from d3d_hf.modeling.modeling_d3d import MatmulLayouts
+
+from d3d_hf import D3DCache, D3DForDiffusionDrafting
+
+
+class ScriptedLayouts(MatmulLayouts):
+    """A `MatmulLayouts` whose clock advances by a fixed cost per layout run (no real timing)."""
+
+    def __init__(self, costs, **kwargs):
+        super().__init__(clock=lambda: self.now, **kwargs)
+        self.now, self.costs, self.ran = 0.0, costs, []
+
+    def _run(self, layout, x, weight, bias):
+        self.now += self.costs[layout]
+        self.ran.append(layout)
+        return MatmulLayouts._run(layout, x, weight, bias)
+
+
+@pytest.mark.parametrize("layout", MatmulLayouts.LAYOUTS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_both_layouts_give_linear_values(layout, bias):
+    torch.manual_seed(0)
+    x, weight = torch.randn(5, 16), torch.randn(24, 16)
+    b = torch.randn(24) if bias else None
+    out = MatmulLayouts._run(layout, x, weight, b)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b))
+    assert out.is_contiguous(), "what reads the result next may need contiguous rows (SDPA's flash kernel)"
+
+
+@pytest.mark.parametrize("faster", MatmulLayouts.LAYOUTS)
+def test_the_faster_layout_is_chosen_per_key_and_kept(faster):
+    slower = next(layout for layout in MatmulLayouts.LAYOUTS if layout != faster)
+    layouts = ScriptedLayouts({faster: 1.0, slower: 3.0}, samples=2)
+    weight, bias = torch.randn(8, 6), torch.randn(8)
+    x = torch.randn(1, 3, 6)  # 3 rows in a 3-D input
+    with torch.no_grad():
+        for _ in range(4):  # 2 timed calls of each layout, alternating
+            out = layouts.linear(x, weight, bias)
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias))
+            assert out.shape == (1, 3, 8)
+        assert sorted(layouts.ran) == sorted([faster, slower] * 2) and layouts.settled()
+        key = ((8, 6), 3, torch.float32, True, torch.get_num_threads())
+        assert layouts.choices == {key: faster}
+        layouts.ran.clear()
+        for _ in range(3):
+            layouts.linear(x, weight, bias)
+        assert layouts.ran == [faster] * 3, "once chosen, only the faster layout runs"
+        layouts.linear(torch.randn(2, 6), weight, bias)  # another row count is another key, timed afresh
+        assert not layouts.settled() and len(layouts.choices) == 1
+
+
+def test_medians_decide_not_a_single_slow_call():
+    layouts = ScriptedLayouts({"x W^T": 1.0, "W x^T": 2.0}, samples=3)
+    weight, x = torch.randn(4, 4), torch.randn(2, 4)
+    with torch.no_grad():
+        for call in range(6):
+            layouts.costs["x W^T"] = 50.0 if call == 0 else 1.0  # one disturbed call (e.g. a page fault)
+            layouts.linear(x, weight)
+    assert set(layouts.choices.values()) == {"x W^T"}
+
+
+def test_layouts_are_not_timed_under_autograd_or_for_many_rows():
+    layouts = ScriptedLayouts({"x W^T": 1.0, "W x^T": 1.0}, max_rows=4)
+    weight = torch.randn(3, 5, requires_grad=True)
+    out = layouts.linear(torch.randn(2, 5), weight)  # grad enabled: training runs nn.functional.linear
+    assert out.requires_grad
+    with torch.no_grad():
+        layouts.linear(torch.randn(5, 5), weight)  # more than max_rows rows
+    assert layouts.ran == [] and layouts.choices == {} and layouts.settled()
+
+
+def _drafter():
+    torch.manual_seed(0)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(tiny_target("qwen3"), block_size=6)
+    drafter.add_block_adapter(rank=4, alpha=8.0)
+    for name, param in drafter.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.2)
+    return drafter.eval()
+
+
+@pytest.mark.parametrize("fused_projections", [False, True])
+def test_draft_passes_run_on_the_chosen_layouts_and_the_option_turns_them_off(monkeypatch, fused_projections):
+    drafter = _drafter()
+    drafter.model.fused_projections = fused_projections
+    assert drafter.model.autotune_matmuls is True, "on by default"
+    ids = random_prompt(7)
+    monkeypatch.setattr(modeling, "MATMUL_LAYOUTS", MatmulLayouts())
+    drafter.model.autotune_matmuls = False
+    reference = drafter.draft_logits(ids, D3DCache(), num_masks=3)
+    assert modeling.MATMUL_LAYOUTS.choices == {} and modeling.MATMUL_LAYOUTS.settled()
+    drafter.model.autotune_matmuls = True
+    for _ in range(8):
+        out = drafter.draft_logits(ids, D3DCache(), num_masks=3)
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    before = drafter.model.matmul_layout_trials()
+    drafter.draft_logits(ids, D3DCache(), num_masks=3)
+    assert drafter.model.matmul_layout_trials() == before and modeling.MATMUL_LAYOUTS.settled()
+    shapes = {key[0] for key in modeling.MATMUL_LAYOUTS.choices}
+    config = drafter.config
+    assert (config.vocab_size, config.hidden_size) in shapes, "the LM head's matmul"
+    if fused_projections:  # q/k/v in one weight with the adapters' A rows below
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        assert (q + 2 * kv + 3 * 4, config.hidden_size) in shapes
+    else:
+        assert (config.intermediate_size, config.hidden_size) in shapes, "gate/up on the shared weights"
+    assert {key[1] for key in modeling.MATMUL_LAYOUTS.choices} == {7 + 3, 3 + 1}, "the pass's rows, the logits' rows"
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="autotune_matmuls"):
+            drafter.model.autotune_matmuls = bad
+
+
+def test_cost_calibration_times_draft_passes_after_the_layouts_are_chosen(monkeypatch):
+    target = tiny_target("llama")
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    monkeypatch.setattr(modeling, "MATMUL_LAYOUTS", MatmulLayouts(samples=3))
+    calibration_d3d.measure_cost_curves(target, drafter, rows=(2, 3), context_length=8, repeats=1)
+    pending = {key[1] for key in modeling.MATMUL_LAYOUTS._trials}
+    assert not pending & {2, 3}, "the timed passes (1 + 1 or 1 + 2 rows, as many logits) ran on chosen layouts"
+    assert {2, 3} <= {key[1] for key in modeling.MATMUL_LAYOUTS.choices}
+    assert pending <= {8, 1}, "the prefill's keys (8 rows, 1 row of logits), run once, may stay untimed"
+
+
+def test_drafters_without_adapters_and_passes_without_masks_run_on_chosen_layouts_too(monkeypatch):
+    target = tiny_target("llama")
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4).eval()  # no block adapters
+    monkeypatch.setattr(modeling, "MATMUL_LAYOUTS", MatmulLayouts(samples=1))
+    ids = random_prompt(5)
+    with torch.no_grad():
+        reference = target(ids).logits[:, -1]
+    out = drafter.draft_logits(ids, D3DCache(), num_masks=0)[:, -1]  # no masks: the committed rows only
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    config = drafter.config
+    layouts = modeling.MATMUL_LAYOUTS
+    seen = {key[:2] for key in [*layouts.choices, *layouts._trials]}
+    assert ((config.intermediate_size, config.hidden_size), 5) in seen
