@@ -259,9 +259,9 @@ class MatmulLayouts:
 
     Both read the same weight storage and give the same values up to float rounding, but BLAS libraries pick
     different kernels for them. Measured on an AMD EPYC (Zen 4, MKL 2024.2, 2 threads; d3d-hf issue 14,
-    benchmarks/results/engine/matmul_layouts.md): float32 with 2-4 rows ran 2-5x faster as `W x^T` (the tied LM head
-    of SmolLM2, 2 rows: 23 ms against 4.3 ms), 6-16 rows about even, and bfloat16 (oneDNN) 10-40% faster as `x W^T`;
-    other CPUs and libraries differ, hence the measurement. Used outside autograd on CPU for at most `max_rows` rows
+    benchmarks/results/engine/matmul_layouts.md): float32 with 2-4 rows ran 1.3-5x faster as `W x^T` (the tied LM
+    head of SmolLM2, 2 rows: 25.5 ms against 6.3 ms), 6-16 rows either way by shape, and bfloat16 (oneDNN) up to 50%
+    faster as `x W^T`; other CPUs and libraries differ, hence the measurement. Used outside autograd on CPU for at most `max_rows` rows
     (the draft passes: `FusedProjections`, the drafter's LM head); everything else runs `nn.functional.linear`.
 
     The choice is made per `(weight shape, rows, dtype, bias, threads)` from the first `2 * samples` calls with that
