@@ -4,7 +4,8 @@ chosen by timing, `D3DModel.autotune_matmuls`), the fused weights with `nn.Linea
 fused on the shared weights (`add_block_adapters`, autotuned), per projection (the training path, `nn.Linear`) and
 removed (the drafter's bare layers, which are the target's, with `nn.Linear`).
 
-One process, the variants interleaved per repeat so that drift of the machine hits all of them alike; medians.
+One process, the variants interleaved per repeat in a shuffled order, so that drift of the machine and what the
+previous forward left in the caches hit all of them alike; medians.
 Run it alone on the machine:
 
     python benchmarks/draft_pass_cost.py --dtype float32 --threads 2 [--repeats 25] [--drafter NAME_OR_FOLDER]
@@ -14,6 +15,7 @@ Run it alone on the machine:
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -53,7 +55,7 @@ def main() -> None:
             for q in ROWS:
                 anchor = torch.randint(0, 49152, (1, 1), generator=g)
                 rows = torch.randint(0, 49152, (1, q), generator=g)
-                for variant in variants:
+                for variant in random.Random(rep * 100 + q).sample(variants, len(variants)):  # no fixed order
                     start = time.perf_counter()
                     if variant == "target":
                         target(input_ids=rows, cache=target_cache, use_cache=True)

@@ -9,6 +9,7 @@ shape `(batch_size, 1, query_len, key_len)`; `key_len` counts the cached tokens 
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -261,23 +262,33 @@ class MatmulLayouts:
     different kernels for them. Measured on an AMD EPYC (Zen 4, MKL 2024.2, 2 threads; d3d-hf issue 14,
     benchmarks/results/engine/matmul_layouts.md): float32 with 2-4 rows ran 1.3-5x faster as `W x^T` (the tied LM
     head of SmolLM2, 2 rows: 25.5 ms against 6.3 ms), 6-16 rows either way by shape, and bfloat16 (oneDNN) up to 50%
-    faster as `x W^T`; other CPUs and libraries differ, hence the measurement. Used outside autograd on CPU for at most `max_rows` rows
-    (the draft passes: `FusedProjections`, the drafter's LM head); everything else runs `nn.functional.linear`.
+    faster as `x W^T`; other CPUs and libraries differ, hence the measurement. Used outside autograd on CPU for at
+    most `max_rows` rows (the draft passes: `FusedProjections`, the drafter's projections and LM head); everything
+    else runs `nn.functional.linear`.
 
     The choice is made per `(weight shape, rows, dtype, bias, threads)` from the first `2 * samples` calls with that
-    key (alternating layouts, every result used), by the median time, and kept for the process (`choices`).
+    key (alternating layouts, every result used), by the median times (`margin`), and kept for the process
+    (`choices`). A call on a chosen layout costs about 2 us of Python more than `nn.functional.linear`.
 
     Attributes:
         max_rows (`int`, defaults to 32): inputs with more rows always run `x W^T`.
         samples (`int`, defaults to 3): timed calls per layout before the choice.
+        margin (`float`, defaults to 0.1): `W x^T` is chosen only when its median time is at least this fraction below
+            `x W^T`'s (timing noise must not move a shape off `nn.Linear`'s layout for nothing).
         clock (`Callable[[], float]`, defaults to `time.perf_counter`): the timer (seconds).
         choices (`dict`): key -> `"x W^T"` or `"W x^T"`, the layouts chosen so far.
     """
 
     LAYOUTS = ("x W^T", "W x^T")
 
-    def __init__(self, max_rows: int = 32, samples: int = 3, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.max_rows, self.samples, self.clock = max_rows, samples, clock
+    def __init__(
+        self,
+        max_rows: int = 32,
+        samples: int = 3,
+        margin: float = 0.1,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.max_rows, self.samples, self.margin, self.clock = max_rows, samples, margin, clock
         self.choices: dict[tuple, str] = {}
         self._trials: dict[tuple, tuple[list[float], list[float]]] = {}
         self._timed_calls = 0
@@ -312,12 +323,16 @@ class MatmulLayouts:
         Returns:
             `torch.Tensor` of shape `(..., out_features)`, contiguous, in `x`'s dtype.
         """
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if rows == 0 or rows > self.max_rows or x.device.type != "cpu" or torch.is_grad_enabled():
+        if torch.is_grad_enabled() or x.device.type != "cpu":
+            return nn.functional.linear(x, weight, bias)
+        rows = math.prod(x.shape[:-1])
+        if rows > self.max_rows or rows == 0:
+            return nn.functional.linear(x, weight, bias)
+        key = (weight.shape, rows, x.dtype, bias is not None, torch.get_num_threads())
+        layout = self.choices.get(key)
+        if layout == "x W^T":  # the common case first, with the least Python in the way
             return nn.functional.linear(x, weight, bias)
         flat = x.reshape(rows, x.shape[-1])
-        key = (tuple(weight.shape), rows, x.dtype, bias is not None, torch.get_num_threads())
-        layout = self.choices.get(key)
         if layout is None:
             trials = self._trials.setdefault(key, ([], []))
             which = 0 if len(trials[0]) <= len(trials[1]) else 1
@@ -326,8 +341,8 @@ class MatmulLayouts:
             trials[which].append(self.clock() - start)
             self._timed_calls += 1
             if min(len(t) for t in trials) >= self.samples:
-                medians = [statistics.median(t) for t in trials]
-                self.choices[key] = self.LAYOUTS[medians.index(min(medians))]
+                plain, swapped = (statistics.median(t) for t in trials)
+                self.choices[key] = "W x^T" if swapped < (1.0 - self.margin) * plain else "x W^T"
                 del self._trials[key]
         else:
             out = self._run(layout, flat, weight, bias)
