@@ -266,13 +266,14 @@ class MatmulLayouts:
     most `max_rows` rows (the draft passes: `FusedProjections`, the drafter's projections and LM head); everything
     else runs `nn.functional.linear`.
 
-    The choice is made per `(weight shape, rows, dtype, bias, threads)` from the first `2 * samples` calls with that
-    key (alternating layouts, every result used), by the median times (`margin`), and kept for the process
-    (`choices`). A call on a chosen layout costs about 2 us of Python more than `nn.functional.linear`.
+    The choice is made per `(weight shape, rows, dtype, bias, threads)` from the first `2 * (samples + 1)` calls with
+    that key (alternating layouts, every result used; the first call of each layout is not counted, as it may pay
+    one-time costs such as oneDNN building its kernel for the shape), by the median times (`margin`), and kept for
+    the process (`choices`). A call on a chosen layout costs about 2 us of Python more than `nn.functional.linear`.
 
     Attributes:
         max_rows (`int`, defaults to 32): inputs with more rows always run `x W^T`.
-        samples (`int`, defaults to 3): timed calls per layout before the choice.
+        samples (`int`, defaults to 3): counted calls per layout before the choice.
         margin (`float`, defaults to 0.1): `W x^T` is chosen only when its median time is at least this fraction below
             `x W^T`'s (timing noise must not move a shape off `nn.Linear`'s layout for nothing).
         clock (`Callable[[], float]`, defaults to `time.perf_counter`): the timer (seconds).
@@ -340,8 +341,8 @@ class MatmulLayouts:
             out = self._run(self.LAYOUTS[which], flat, weight, bias)
             trials[which].append(self.clock() - start)
             self._timed_calls += 1
-            if min(len(t) for t in trials) >= self.samples:
-                plain, swapped = (statistics.median(t) for t in trials)
+            if min(len(t) for t in trials) > self.samples:  # the first call of each is not counted
+                plain, swapped = (statistics.median(t[1:]) for t in trials)
                 self.choices[key] = "W x^T" if swapped < (1.0 - self.margin) * plain else "x W^T"
                 del self._trials[key]
         else:
