@@ -31,6 +31,15 @@ ROWS = (1, 2, 4, 8, 16)
 WARMUP = 10  # untimed rounds: the matmul layouts of each row count are chosen in the first 8 passes
 
 
+HEADERS = {
+    "fused projections": "drafter (default on CPU: fused projections, autotuned matmul layouts)",
+    "untuned": "fused projections, `nn.Linear` layout",
+    "fused adapters": "fused adapters on shared weights (autotuned)",
+    "per-projection": "per-projection adapters",
+    "no adapters": "no adapters (the target's layers)",
+}
+
+
 def layout_table(choices: dict) -> list[str]:
     """Markdown lines: the layout `MatmulLayouts` chose per weight shape (rows) and row count (columns)."""
     shapes = sorted({(key[0], key[3]) for key in choices}, key=lambda item: (-item[0][0] * item[0][1], item[1]))
@@ -51,6 +60,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256, help="cached tokens before each timed forward")
     parser.add_argument("--drafter", default="d3d-smollm2-135m-instruct", help="shipped name or folder")
     parser.add_argument("--output", help="also write the table to this markdown file")
+    parser.add_argument(
+        "--only-default",
+        action="store_true",
+        help="time the target and the default draft pass only (fewer variants between them: less cache interference)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, _ = load_target("smollm2-135m-instruct", dtype=args.dtype)
@@ -58,6 +72,8 @@ def main() -> None:
     drafter.attach_target_weights(target)
     fused_rule = modeling._fused_adapters_apply
     variants = ("target", "fused projections", "untuned", "fused adapters", "per-projection", "no adapters")
+    if args.only_default:
+        variants = variants[:2]
     times = {(v, q): [] for v in variants for q in ROWS}
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -96,12 +112,10 @@ def main() -> None:
         f"{drafter.config.block_lora_rank}), {args.dtype}, {args.threads} threads, {args.context} cached tokens, "
         f"median of {args.repeats}; CPU {cpu.get('model')} ({', '.join(k for k, v in cpu.items() if v is True)}). "
         f"Command: `python benchmarks/draft_pass_cost.py --dtype {args.dtype} --threads {args.threads} "
-        f"--repeats {args.repeats} --drafter {args.drafter}`",
+        f"--repeats {args.repeats} --drafter {args.drafter}{' --only-default' if args.only_default else ''}`",
         "",
-        "| rows | target ms | drafter (default on CPU: fused projections, autotuned matmul layouts) | fused "
-        "projections, `nn.Linear` layout | fused adapters on shared weights (autotuned) | per-projection adapters | "
-        "no adapters (the target's layers) |",
-        "|---|---|---|---|---|---|---|",
+        "| rows | target ms | " + " | ".join(HEADERS[v] for v in variants[1:]) + " |",
+        "|---|---|" + "---|" * (len(variants) - 1),
     ]
     for q in ROWS:
         base = statistics.median(times[("target", q)])
