@@ -321,8 +321,9 @@ def measure_cost_curves(
     - drafter: prefills a `D3DCache` with the context, and times draft passes of `q` rows, 1 committed token plus
       `q - 1` masks (`drafter.draft_logits(committed_ids, cache, num_masks=q - 1)`), cropping back after each.
 
-    Each time is the median of `repeats` after one warm-up call (for the drafter, more until one runs on chosen matmul
-    layouts only: `D3DModel.matmul_layout_trials`), under `torch.no_grad()` with both models in eval
+    Each time is the median of `repeats` after one warm-up call (more until one runs on chosen matmul layouts only:
+    `D3DModel.matmul_layout_trials`, which counts the target's too under `d3d_target_matmul_layouts`), under
+    `torch.no_grad()` with both models in eval
     mode (their previous modes are restored). On CUDA the device is synchronised around each call. A drafter that
     shares its target's weights gets them attached first. Rows above the drafter's block size time a longer block.
 
@@ -398,6 +399,7 @@ def measure_cost_curves(
                     crop_target,
                     repeats,
                     sync,
+                    layout_trials,  # the target's forwards too, under `d3d_target_matmul_layouts`
                 )
                 committed = random_ids(1).to(drafter_device)
                 draft[q] = _median_seconds(
@@ -449,8 +451,14 @@ def _plausible(verify_curve: CostCurve | None, draft_curve: CostCurve | None) ->
     )
 
 
-def policy_for(target, drafter, store: CalibrationStore | None = None) -> tuple[DraftPolicy, str]:
+def policy_for(
+    target, drafter, store: CalibrationStore | None = None, target_matmul_layouts: bool = False
+) -> tuple[DraftPolicy, str]:
     """The adaptive `DraftPolicy` of a (target, drafter) pair on this machine, dtype, threads and device.
+
+    `target_matmul_layouts`: whether the target's forwards run on `MatmulLayouts` (`d3d_target_matmul_layouts`; the
+    caller opens `modeling_d3d.target_matmul_layouts` around this call and the decoding): another verification cost
+    curve, so another key.
 
     One policy per `calibration_key` lives in memory for the process, so what it learns in one `generate` call
     carries over to the next; it starts from the state stored on disk under that key (`CalibrationStore`) and,
@@ -473,6 +481,7 @@ def policy_for(target, drafter, store: CalibrationStore | None = None) -> tuple[
         # the draft pass's weight layout (`D3DModel.fused_projections`) and matmul layouts change what it costs
         "fused_projections": str(getattr(getattr(drafter, "model", None), "fused_projections", None)),
         "autotune_matmuls": str(getattr(getattr(drafter, "model", None), "autotune_matmuls", None)),
+        "target_matmul_layouts": str(bool(target_matmul_layouts)),
     }
     key = calibration_key(**parts)
     policy = _POLICIES.get(key)

@@ -183,103 +183,106 @@ def d3d_assisted_decoding(
     eos_ids = set() if eos is None else {int(t) for t in eos.flatten().tolist()}
     compute_dtype = next(target.parameters()).dtype
     device = target.device
-    unfinished = True
-    while unfinished:
-        cur_len = input_ids.shape[1]
-        past = cache.get_seq_length()
-        committed = input_ids[:, past:].to(device)
-        num_committed = committed.shape[1]
-        tree = None
-        if tree_mode:
-            tree = generator.get_tree(input_ids)
-            nodes = torch.tensor([tree.tokens], dtype=input_ids.dtype, device=device)
-            new_ids = torch.cat([committed, nodes], dim=1) if len(tree) else committed
-            num_candidates = len(tree)
-            if tree.is_chain():
-                attention_mask, positions = None, torch.arange(past, past + new_ids.shape[1], device=device)[None]
-            else:
-                attention_mask, positions = tree_attention_inputs(tree, num_committed, past, compute_dtype, device)
-
-            def history(row: int, tree=tree, prefix=input_ids) -> torch.LongTensor:
-                """The sequence verification row `row` scores: the committed tokens, then the path to its node."""
-                return prefix if row == 0 else torch.cat([prefix, prefix.new_tensor([tree.path_tokens(row - 1)])], 1)
-        else:
-            candidate_ids, candidate_logits = generator.get_candidates(input_ids)
-            candidate_ids = candidate_ids.to(device)
-            if candidate_logits is not None:
-                candidate_logits = candidate_logits.to(device)
-            num_candidates = candidate_ids.shape[1] - cur_len
-            new_ids = candidate_ids[:, past:]
-            attention_mask, positions = None, torch.arange(past, past + new_ids.shape[1], device=device)[None]
-
-            def history(row: int, candidates=candidate_ids, cur_len=cur_len) -> torch.LongTensor:
-                return candidates[:, : cur_len + row]
-        forward_kwargs = {"logits_to_keep": num_candidates + 1} if keep_logits else {}
-        first_round = generator.stats.rounds == 0
-        outputs = target(
-            input_ids=new_ids,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            use_cache=True,
-            **{cache_key: cache},
-            **forward_kwargs,
-        )
-        if first_round:
-            if not getattr(cache, "is_croppable", True):
-                raise ValueError(
-                    "Assisted decoding requires a cache that can be cropped to restore the states after draft "
-                    "verification"
-                )
+    with generator.target_layouts(target):  # `d3d_target_matmul_layouts`: the target's matmul layouts, else a no-op
+        unfinished = True
+        while unfinished:
+            cur_len = input_ids.shape[1]
+            past = cache.get_seq_length()
+            committed = input_ids[:, past:].to(device)
+            num_committed = committed.shape[1]
+            tree = None
             if tree_mode:
-                check_tree_cache(cache)
-        new_logits = outputs.logits[:, -num_candidates - 1 :].to(dtype=torch.float32, device=input_ids.device)
-        raw = new_logits.clone() if raw_logits is not None else None
-        if len(logits_processor) > 0:  # each row on its own history, built only when a processor needs it
-            for i in range(num_candidates + 1):
-                new_logits[:, i, :] = logits_processor(history(i).to(input_ids.device), new_logits[:, i, :])
-        if tree_mode:
-            if do_sample:
-                probabilities = new_logits[0].softmax(dim=-1)
-                path, bonus = sample_tree_path(tree, lambda node: probabilities[node + 1])
+                tree = generator.get_tree(input_ids)
+                nodes = torch.tensor([tree.tokens], dtype=input_ids.dtype, device=device)
+                new_ids = torch.cat([committed, nodes], dim=1) if len(tree) else committed
+                num_candidates = len(tree)
+                if tree.is_chain():
+                    attention_mask, positions = None, torch.arange(past, past + new_ids.shape[1], device=device)[None]
+                else:
+                    attention_mask, positions = tree_attention_inputs(tree, num_committed, past, compute_dtype, device)
+
+                def history(row: int, tree=tree, prefix=input_ids) -> torch.LongTensor:
+                    """The sequence verification row `row` scores: the committed tokens, then the path to its node."""
+                    if row == 0:
+                        return prefix
+                    return torch.cat([prefix, prefix.new_tensor([tree.path_tokens(row - 1)])], 1)
             else:
-                path, bonus = greedy_tree_path(tree, new_logits[0].argmax(dim=-1).tolist())
-            rows = [0] + [node + 1 for node in path]  # logits rows of the committed tokens, in order
-            valid = input_ids.new_tensor([[tree.tokens[node] for node in path] + [bonus]])
-        elif do_sample and candidate_logits is not None:
-            rule = _speculative_sampling if _speculative_sampling is not None else _chain_sampling
-            valid, n_matches = rule(candidate_ids, candidate_logits, num_candidates, new_logits)
-            valid = valid.to(input_ids.device)
-            rows = list(range(int(n_matches) + 1))
-        else:
-            if do_sample:
-                selected = torch.multinomial(new_logits[0].softmax(dim=-1), num_samples=1).view(1, -1)
+                candidate_ids, candidate_logits = generator.get_candidates(input_ids)
+                candidate_ids = candidate_ids.to(device)
+                if candidate_logits is not None:
+                    candidate_logits = candidate_logits.to(device)
+                num_candidates = candidate_ids.shape[1] - cur_len
+                new_ids = candidate_ids[:, past:]
+                attention_mask, positions = None, torch.arange(past, past + new_ids.shape[1], device=device)[None]
+
+                def history(row: int, candidates=candidate_ids, cur_len=cur_len) -> torch.LongTensor:
+                    return candidates[:, : cur_len + row]
+            forward_kwargs = {"logits_to_keep": num_candidates + 1} if keep_logits else {}
+            first_round = generator.stats.rounds == 0
+            outputs = target(
+                input_ids=new_ids,
+                attention_mask=attention_mask,
+                position_ids=positions,
+                use_cache=True,
+                **{cache_key: cache},
+                **forward_kwargs,
+            )
+            if first_round:
+                if not getattr(cache, "is_croppable", True):
+                    raise ValueError(
+                        "Assisted decoding requires a cache that can be cropped to restore the states after draft "
+                        "verification"
+                    )
+                if tree_mode:
+                    check_tree_cache(cache)
+            new_logits = outputs.logits[:, -num_candidates - 1 :].to(dtype=torch.float32, device=input_ids.device)
+            raw = new_logits.clone() if raw_logits is not None else None
+            if len(logits_processor) > 0:  # each row on its own history, built only when a processor needs it
+                for i in range(num_candidates + 1):
+                    new_logits[:, i, :] = logits_processor(history(i).to(input_ids.device), new_logits[:, i, :])
+            if tree_mode:
+                if do_sample:
+                    probabilities = new_logits[0].softmax(dim=-1)
+                    path, bonus = sample_tree_path(tree, lambda node: probabilities[node + 1])
+                else:
+                    path, bonus = greedy_tree_path(tree, new_logits[0].argmax(dim=-1).tolist())
+                rows = [0] + [node + 1 for node in path]  # logits rows of the committed tokens, in order
+                valid = input_ids.new_tensor([[tree.tokens[node] for node in path] + [bonus]])
+            elif do_sample and candidate_logits is not None:
+                rule = _speculative_sampling if _speculative_sampling is not None else _chain_sampling
+                valid, n_matches = rule(candidate_ids, candidate_logits, num_candidates, new_logits)
+                valid = valid.to(input_ids.device)
+                rows = list(range(int(n_matches) + 1))
             else:
-                selected = new_logits.argmax(dim=-1)
-            drafts = candidate_ids[:, cur_len:].to(input_ids.device)
-            n_matches = int(((~(drafts == selected[:, :-1])).cumsum(dim=-1) < 1).sum())
-            valid = selected[:, : n_matches + 1]
-            rows = list(range(n_matches + 1))
-        # cut at max_length and at the first eos, as transformers' loop does
-        valid = valid[:, : generation_config.max_length - cur_len]
-        hits = [i for i, token in enumerate(valid[0].tolist()) if token in eos_ids]
-        if hits:
-            valid = valid[:, : hits[0] + 1]
-        n_matches = valid.shape[1] - 1
-        rows = rows[: n_matches + 1]
-        input_ids = torch.cat([input_ids, valid.to(input_ids.device)], dim=-1)
-        if streamer is not None:
-            streamer.put(valid.cpu())
-        if tree_mode:
-            keep_cache_path(cache, past + num_committed, path[:n_matches])
-            generator.update_tree_strategy(input_ids, tree, path[:n_matches])
-        else:
-            cache.crop(-(num_candidates - n_matches))  # transformers' convention: a negative count is removed
-            generator.update_candidate_strategy(input_ids, new_logits, n_matches)
-        if scores is not None:
-            scores += tuple(new_logits[:, i, :] for i in rows)
-        if raw_logits is not None:
-            raw_logits += tuple(raw[:, i, :] for i in rows)
-        unfinished = not bool(stopping_criteria(input_ids, scores)[0])
+                if do_sample:
+                    selected = torch.multinomial(new_logits[0].softmax(dim=-1), num_samples=1).view(1, -1)
+                else:
+                    selected = new_logits.argmax(dim=-1)
+                drafts = candidate_ids[:, cur_len:].to(input_ids.device)
+                n_matches = int(((~(drafts == selected[:, :-1])).cumsum(dim=-1) < 1).sum())
+                valid = selected[:, : n_matches + 1]
+                rows = list(range(n_matches + 1))
+            # cut at max_length and at the first eos, as transformers' loop does
+            valid = valid[:, : generation_config.max_length - cur_len]
+            hits = [i for i, token in enumerate(valid[0].tolist()) if token in eos_ids]
+            if hits:
+                valid = valid[:, : hits[0] + 1]
+            n_matches = valid.shape[1] - 1
+            rows = rows[: n_matches + 1]
+            input_ids = torch.cat([input_ids, valid.to(input_ids.device)], dim=-1)
+            if streamer is not None:
+                streamer.put(valid.cpu())
+            if tree_mode:
+                keep_cache_path(cache, past + num_committed, path[:n_matches])
+                generator.update_tree_strategy(input_ids, tree, path[:n_matches])
+            else:
+                cache.crop(-(num_candidates - n_matches))  # transformers' convention: a negative count is removed
+                generator.update_candidate_strategy(input_ids, new_logits, n_matches)
+            if scores is not None:
+                scores += tuple(new_logits[:, i, :] for i in rows)
+            if raw_logits is not None:
+                raw_logits += tuple(raw[:, i, :] for i in rows)
+            unfinished = not bool(stopping_criteria(input_ids, scores)[0])
     if streamer is not None:
         streamer.end()
     if return_dict:

@@ -6,6 +6,7 @@ loaded with `trust_remote_code=True` (without d3d_hf installed) decodes with D3D
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -66,11 +67,15 @@ POLICY_OPTIONS = {"d3d_num_drafts": "adaptive", "d3d_prompt_lookup": True}
 #: `d3d_share_target_cache` (D3D's own loop, synchronous drafting): a drafter whose committed-token keys and values
 #: are the target's own (it shares the target's weights and runs the target's first layers, in order) attends to the
 #: target's cache instead of re-running the committed tokens in a cache of its own; `False` keeps its own cache
+#: `d3d_target_matmul_layouts` (D3D's own loop, synchronous drafting, CPU): the target's verification forwards of 2-32
+#: rows run their linears on the faster matmul layout of this machine (`modeling_d3d.target_matmul_layouts`); off by
+#: default (the target's forward is the user's)
 TREE_OPTIONS = {
     "d3d_decoding_loop": "d3d",
     "d3d_tree_budget": None,
     "d3d_tree_branching": 4,
     "d3d_share_target_cache": True,
+    "d3d_target_matmul_layouts": False,
 }
 """Defaults; `d3d_num_hypotheses` is at most the block size when not set; `d3d_worker_threads=None` gives the CPU
 worker half of the calling thread's torch intra-op threads (at least one)."""
@@ -127,6 +132,8 @@ class D3DGenerationStats:
         tree_budget (`int` or `str`, *optional*): `d3d_tree_budget` of the call (`None`: chain verification); with a
             tree, `round_candidates` counts the nodes verified per round and `acceptance_lengths` the path plus one.
         shared_target_cache (`bool`): the draft passes attended to the target's cache (`d3d_share_target_cache`).
+        target_matmul_layouts (`bool`): the target's verification forwards ran on `MatmulLayouts`
+            (`d3d_target_matmul_layouts`).
     """
 
     rounds: int = 0
@@ -152,6 +159,7 @@ class D3DGenerationStats:
     decoding_loop: str = "transformers"
     tree_budget: int | str | None = None
     shared_target_cache: bool = False
+    target_matmul_layouts: bool = False
 
     def record_round_plan(self, source: str, num_candidates: int) -> None:
         """Records where a round's candidates came from and how many were sent."""
@@ -289,6 +297,10 @@ class D3DCandidateGenerator(CandidateGenerator):
                 f"`d3d_worker_threads` must be a whole number in [1, {most}] (at most the CPU count or torch's "
                 f"threads, whichever is larger; None for half of torch's threads), got {threads!r}."
             )
+        layouts = options["d3d_target_matmul_layouts"]
+        if layouts is not None and not isinstance(layouts, bool):
+            raise ValueError(f"`d3d_target_matmul_layouts` must be True or False (or None for False), got {layouts!r}.")
+        self.target_matmul_layouts = bool(layouts)
         self._setup_policy(options, target)
         self._setup_tree(options)
         self.cache = D3DCache()  # a new, empty drafter state for every `generate` call
@@ -298,6 +310,7 @@ class D3DCandidateGenerator(CandidateGenerator):
             policy=self.policy_mode,
             asynchronous_off_reason=self._async_off_reason,
             tree_budget=self.tree_budget,
+            target_matmul_layouts=self.target_matmul_layouts,
         )
         if self.policy_mode == "adaptive" and self.policy.verify_curve is not None:
             self.stats.cost_curves_ms = {
@@ -341,7 +354,10 @@ class D3DCandidateGenerator(CandidateGenerator):
             self.policy = own
         elif target is not None:
             self._policy_store = CalibrationStore()
-            self.policy, self._policy_key = policy_for(target, self.drafter, self._policy_store)
+            with self.target_layouts(target):  # the verify curve of the forwards the loop will run
+                self.policy, self._policy_key = policy_for(
+                    target, self.drafter, self._policy_store, target_matmul_layouts=self.target_matmul_layouts
+                )
         else:  # nothing to calibrate against: the engine before the policy
             fixed = self.block_size - 1
             self.policy, self.policy_mode = DraftPolicy(max_drafts=fixed, mode=fixed), str(fixed)
@@ -380,6 +396,17 @@ class D3DCandidateGenerator(CandidateGenerator):
             raise ValueError(f"`d3d_share_target_cache` must be True or False (or None for True), got {share!r}.")
         self._share_requested = TREE_OPTIONS["d3d_share_target_cache"] if share is None else share
         self._target_cache = None
+        if self.target_matmul_layouts and loop == "transformers":
+            raise ValueError(
+                "`d3d_target_matmul_layouts` applies to D3D's own decoding loop: drop "
+                "`d3d_decoding_loop='transformers'` (or the option)."
+            )
+        if self.target_matmul_layouts and self.asynchronous:
+            raise ValueError(
+                "`d3d_target_matmul_layouts` times the target's matmuls, which asynchronous drafting would disturb on "
+                "the same cores: it cannot be combined with `d3d_async=True` (on CPU the adaptive engine drafts "
+                "synchronously anyway). Set one of them to its default."
+            )
         if budget is not None and loop == "transformers":
             raise ValueError(
                 "`d3d_tree_budget` needs D3D's own decoding loop: transformers' assisted-generation loop verifies one "
@@ -390,6 +417,15 @@ class D3DCandidateGenerator(CandidateGenerator):
                 "Tree verification drafts synchronously: `d3d_tree_budget` cannot be combined with `d3d_async=True`. "
                 "Set one of them to its default."
             )
+
+    def target_layouts(self, target):
+        """The context in which this call's target forwards run: `modeling_d3d.target_matmul_layouts(target)` with
+        `d3d_target_matmul_layouts=True`, else a no-op."""
+        if not self.target_matmul_layouts or target is None:
+            return contextlib.nullcontext()
+        from .modeling_d3d import target_matmul_layouts  # deferred: modeling_d3d imports this file
+
+        return target_matmul_layouts(target)
 
     def can_share_target_cache(self, target) -> bool:
         """Whether this call's drafter computes, for committed tokens, exactly the target's keys and values: it shares

@@ -9,6 +9,8 @@ shape `(batch_size, 1, query_len, key_len)`; `key_len` counts the cached tokens 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 import statistics
@@ -344,7 +346,7 @@ class MatmulLayouts:
             if min(len(t) for t in trials) > self.samples:  # the first call of each is not counted
                 plain, swapped = (statistics.median(t[1:]) for t in trials)
                 self.choices[key] = "W x^T" if swapped < (1.0 - self.margin) * plain else "x W^T"
-                del self._trials[key]
+                self._trials.pop(key, None)
         else:
             out = self._run(layout, flat, weight, bias)
         return out.view(*x.shape[:-1], weight.shape[0])
@@ -352,6 +354,46 @@ class MatmulLayouts:
 
 MATMUL_LAYOUTS = MatmulLayouts()
 """The process's layout choices (a property of the machine, shared by every drafter)."""
+
+
+def _linear_on_layouts(module: nn.Linear, min_rows: int, x: torch.Tensor) -> torch.Tensor:
+    if x.numel() < min_rows * x.shape[-1]:  # fewer rows: `nn.Linear`'s own call
+        return nn.functional.linear(x, module.weight, module.bias)
+    return MATMUL_LAYOUTS.linear(x, module.weight, module.bias)
+
+
+@contextlib.contextmanager
+def target_matmul_layouts(model: nn.Module, min_rows: int = 2):
+    r"""While open, every plain `nn.Linear` of `model` (a target; the LM head included) runs its forwards of
+    `min_rows` to `MatmulLayouts.max_rows` rows outside autograd on CPU through `MATMUL_LAYOUTS` (the faster of
+    `x W^T` and `(W x^T)^T` on this machine): D3D's opt-in `d3d_target_matmul_layouts` for the target's verification
+    forwards (d3d-hf issue 14; docs/DESIGN.md section 9 names the multi-row float32 penalty of the default kernel).
+
+    Forwards of fewer rows (one-row decoding steps: default 2) and of more rows (the prompt's prefill) keep
+    `nn.Linear`'s call, so a plain target step computes exactly what target-only decoding computes. A verification
+    forward may round differently from `nn.Linear`'s multi-row kernel, as that one already rounds differently from
+    the one-row kernel of target-only decoding; greedy output stays the target's own unless two logits tie within
+    float rounding (checked on the bench prompts: README, "The draft pass"). Modules that already have an
+    instance-level `forward` (e.g. accelerate's hooks) and subclasses of `nn.Linear` (e.g. PEFT's or quantised
+    layers) are left alone. The modules are restored when the context closes, also on an exception.
+
+    Args:
+        model (`nn.Module`): the model whose linears to route.
+        min_rows (`int`, defaults to 2): the fewest rows that use `MATMUL_LAYOUTS`.
+
+    Yields:
+        `list[nn.Linear]`: the modules routed.
+    """
+    routed = []
+    try:
+        for module in model.modules():
+            if type(module) is nn.Linear and "forward" not in module.__dict__:
+                module.forward = functools.partial(_linear_on_layouts, module, min_rows)
+                routed.append(module)
+        yield routed
+    finally:
+        for module in routed:
+            module.__dict__.pop("forward", None)
 
 
 class FusedProjections:

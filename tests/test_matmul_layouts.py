@@ -168,3 +168,67 @@ def test_drafters_without_adapters_and_passes_without_masks_run_on_chosen_layout
     layouts = modeling.MATMUL_LAYOUTS
     seen = {key[:2] for key in [*layouts.choices, *layouts._trials]}
     assert ((config.intermediate_size, config.hidden_size), 5) in seen
+
+
+def _greedy(target, ids, drafter=None, max_new_tokens=24, **options):
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, **options)
+    return target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, generation_config=config)
+
+
+def test_target_matmul_layouts_route_the_targets_linears_and_restore_them(monkeypatch):
+    target = tiny_target("llama").eval()
+    monkeypatch.setattr(modeling, "MATMUL_LAYOUTS", MatmulLayouts())
+    linears = [m for m in target.modules() if type(m) is torch.nn.Linear]
+    own = linears[0]
+    own.forward = lambda x: torch.nn.functional.linear(x, own.weight, own.bias)  # e.g. an accelerate hook
+    with torch.no_grad(), modeling.target_matmul_layouts(target) as routed:
+        assert routed == linears[1:], "modules with an instance-level forward are left alone"
+        target(random_prompt(1))  # one row: nn.Linear's own call, untimed
+        assert modeling.MATMUL_LAYOUTS.choices == {} and modeling.MATMUL_LAYOUTS.settled()
+        out = target(random_prompt(3)).logits
+    config = target.config
+    shapes = {key[0] for key in [*modeling.MATMUL_LAYOUTS.choices, *modeling.MATMUL_LAYOUTS._trials]}
+    assert {(config.vocab_size, config.hidden_size), (config.intermediate_size, config.hidden_size)} <= shapes
+    assert all("forward" not in m.__dict__ for m in linears[1:]) and "forward" in own.__dict__
+    with torch.no_grad():
+        reference = target(random_prompt(3)).logits
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="inside"):
+        with modeling.target_matmul_layouts(target):
+            raise RuntimeError("inside")
+    assert all("forward" not in m.__dict__ for m in linears[1:]), "restored after an exception too"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_with_the_targets_matmul_layouts_is_the_targets_own(monkeypatch, family):
+    target = tiny_target(family, sharpen=4.0)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, num_layers=2, block_size=4)
+    monkeypatch.setattr(modeling, "MATMUL_LAYOUTS", MatmulLayouts(samples=1))
+    for seed in range(3):
+        ids = random_prompt(6 + 3 * seed, seed=seed)
+        reference = _greedy(target, ids)
+        out = _greedy(target, ids, drafter, d3d_target_matmul_layouts=True, d3d_num_drafts=3)
+        assert torch.equal(out, reference), seed
+        assert drafter.last_generation_stats.target_matmul_layouts
+    assert all("forward" not in m.__dict__ for m in target.modules()), "the target is restored after generate"
+    shapes = {key[0] for key in [*modeling.MATMUL_LAYOUTS.choices, *modeling.MATMUL_LAYOUTS._trials]}
+    assert (target.config.vocab_size, target.config.hidden_size) in shapes, "the verification ran on the layouts"
+    _greedy(target, random_prompt(6), drafter, d3d_num_drafts=3)
+    assert not drafter.last_generation_stats.target_matmul_layouts, "off by default"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"d3d_target_matmul_layouts": "yes"},
+        {"d3d_target_matmul_layouts": True, "d3d_decoding_loop": "transformers"},
+        {"d3d_target_matmul_layouts": True, "d3d_async": True, "d3d_num_drafts": "full"},
+    ],
+)
+def test_target_matmul_layouts_option_errors(options):
+    target = tiny_target("llama")
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    with pytest.raises(ValueError, match="d3d_target_matmul_layouts"):
+        _greedy(target, random_prompt(), drafter, **options)

@@ -176,6 +176,8 @@ def test_calibration_is_measured_once_keyed_and_restored_from_disk(monkeypatch):
     drafter.model.autotune_matmuls = False  # and so do other matmul layouts
     _greedy(target, ids, drafter, max_new_tokens=8)
     assert len(measured) == 4 and len(calibration_d3d._POLICIES) == 4
+    _greedy(target, ids, drafter, max_new_tokens=8, d3d_target_matmul_layouts=True)  # and the target's layouts
+    assert len(measured) == 5 and len(calibration_d3d._POLICIES) == 5
 
 
 def test_adaptive_async_steps_aside_on_cpu_and_fixed_modes_keep_it():

@@ -423,6 +423,20 @@ register_method(
 )
 
 
+register_method(
+    BenchMethod(
+        "d3d-target-layouts",
+        "D3D with the target's verification forwards on the faster matmul layout of the machine "
+        "(`d3d_target_matmul_layouts=True`; CPU)",
+        lambda r: _d3d_kwargs_with(r, d3d_target_matmul_layouts=True),
+        read_stats=lambda r, recorder: d3d_round_stats(r["drafter"].last_generation_stats),
+        requires=("drafter",),
+        settings=_d3d_settings,
+        cost_model="sync",
+    )
+)
+
+
 @dataclass
 class PromptRun:
     """One method on one prompt.
