@@ -213,6 +213,11 @@ def test_greedy_with_the_targets_matmul_layouts_is_the_targets_own(monkeypatch, 
         assert torch.equal(out, reference), seed
         assert drafter.last_generation_stats.target_matmul_layouts
     assert all("forward" not in m.__dict__ for m in target.modules()), "the target is restored after generate"
+    routed = []  # the calibration is done: every target forward of this call is a verification (or the prefill)
+    hook = target.lm_head.register_forward_pre_hook(lambda module, args: routed.append("forward" in module.__dict__))
+    _greedy(target, random_prompt(8, seed=5), drafter, d3d_target_matmul_layouts=True, d3d_num_drafts=3)
+    hook.remove()
+    assert routed and all(routed), "the decoding loop's target forwards ran on the layouts"
     shapes = {key[0] for key in [*modeling.MATMUL_LAYOUTS.choices, *modeling.MATMUL_LAYOUTS._trials]}
     assert (target.config.vocab_size, target.config.hidden_size) in shapes, "the verification ran on the layouts"
     _greedy(target, random_prompt(6), drafter, d3d_num_drafts=3)
