@@ -21,6 +21,7 @@ import time
 
 import d3d_hf.modeling.modeling_d3d as modeling
 import torch
+from _output import emit
 from d3d_hf.modeling.calibration_d3d import cpu_model
 
 from d3d_hf.costmodel import _prefilled_drafter_cache
@@ -125,11 +126,7 @@ def main() -> None:
             cells.append(f"{1e3 * t:.1f} ({t / base:.2f}x)")
         lines.append(f"| {q} | " + " | ".join(cells) + " |")
     lines += layout_table(modeling.MATMUL_LAYOUTS.choices)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.output:
-        with open(args.output, "a", encoding="utf-8") as f:
-            f.write(text + "\n")
+    emit(lines, args.output)
 
 
 if __name__ == "__main__":

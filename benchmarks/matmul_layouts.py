@@ -16,6 +16,7 @@ import statistics
 import time
 
 import torch
+from _output import emit
 from d3d_hf.modeling.calibration_d3d import cpu_model
 from d3d_hf.modeling.modeling_d3d import MatmulLayouts
 
@@ -69,11 +70,7 @@ def main() -> None:
                 cells.append(f"{plain:.0f} / {swapped:.0f}" + (" **" if swapped < 0.9 * plain else ""))
             lines.append(f"| {name} ({out_features} x {in_features}) | " + " | ".join(cells) + " |")
     lines += ["", "`**`: `W x^T` at least 10% faster."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.output:
-        with open(args.output, "a", encoding="utf-8") as f:
-            f.write(text + "\n")
+    emit(lines, args.output)
 
 
 if __name__ == "__main__":

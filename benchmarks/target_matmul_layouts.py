@@ -17,6 +17,7 @@ import statistics
 import time
 
 import torch
+from _output import emit
 from d3d_hf.modeling.calibration_d3d import cpu_model
 from d3d_hf.modeling.modeling_d3d import target_matmul_layouts
 from transformers import DynamicCache
@@ -76,11 +77,7 @@ def main() -> None:
             f"| {q} | {1e3 * plain:.1f} | {1e3 * tuned:.1f} | {tuned / plain:.2f}x | "
             f"{100 * statistics.mean(agree[q]):.1f}% |"
         )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.output:
-        with open(args.output, "a", encoding="utf-8") as f:
-            f.write(text + "\n")
+    emit(lines, args.output)
 
 
 if __name__ == "__main__":
