@@ -21,7 +21,7 @@ import time
 
 import d3d_hf.modeling.modeling_d3d as modeling
 import torch
-from _output import emit
+from _common import add_timing_arguments, emit
 from d3d_hf.modeling.calibration_d3d import cpu_model
 
 from d3d_hf.costmodel import _prefilled_drafter_cache
@@ -55,12 +55,8 @@ def layout_table(choices: dict) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=25)
-    parser.add_argument("--context", type=int, default=256, help="cached tokens before each timed forward")
+    add_timing_arguments(parser)
     parser.add_argument("--drafter", default="d3d-smollm2-135m-instruct", help="shipped name or folder")
-    parser.add_argument("--output", help="also write the table to this markdown file")
     parser.add_argument(
         "--only-default",
         action="store_true",

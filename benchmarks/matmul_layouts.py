@@ -16,7 +16,7 @@ import statistics
 import time
 
 import torch
-from _output import emit
+from _common import emit
 from d3d_hf.modeling.calibration_d3d import cpu_model
 from d3d_hf.modeling.modeling_d3d import MatmulLayouts
 

@@ -17,7 +17,7 @@ import statistics
 import time
 
 import torch
-from _output import emit
+from _common import add_timing_arguments, emit
 from d3d_hf.modeling.calibration_d3d import cpu_model
 from d3d_hf.modeling.modeling_d3d import target_matmul_layouts
 from transformers import DynamicCache
@@ -30,11 +30,7 @@ WARMUP = 10  # untimed rounds: the layouts of each row count are chosen in the f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=25)
-    parser.add_argument("--context", type=int, default=256, help="cached tokens before each timed forward")
-    parser.add_argument("--output", help="also write the table to this markdown file")
+    add_timing_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, _ = load_target("smollm2-135m-instruct", dtype=args.dtype)
