@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.activations import ACT2FN
@@ -256,33 +257,40 @@ def _weights_key(modules: list[nn.Module], x: torch.Tensor) -> tuple:
 
 
 class MatmulLayouts:
-    r"""Chooses, on this machine, the faster of two equivalent ways to compute `x W^T + b` for an `x` of a few rows:
-    `nn.Linear`'s `x W^T` or `(W x^T)^T`, by timing both on real calls ("explore, then commit", the idea of Triton's
-    and `torch.compile`'s autotuning, without a separate benchmark run).
+    r"""Chooses, on this machine, the fastest of equivalent ways to compute `x W^T + b` for an `x` of a few rows:
+    `nn.Linear`'s `x W^T`, `(W x^T)^T`, and, for bfloat16/float16 where oneDNN runs them, `x W^T` on a copy of `W`
+    prepacked once into oneDNN's blocked layout (`"packed"`), by timing them on real calls ("explore, then commit",
+    the idea of Triton's and `torch.compile`'s autotuning, without a separate benchmark run).
 
-    Both read the same weight storage and give the same values up to float rounding, but BLAS libraries pick
-    different kernels for them. Measured on an AMD EPYC (Zen 4, MKL 2024.2, 2 threads; d3d-hf issue 14,
-    benchmarks/results/engine/matmul_layouts.md): float32 with 2-4 rows ran 1.3-5x faster as `W x^T` (the tied LM
-    head of SmolLM2, 2 rows: 25.5 ms against 6.3 ms), 6-16 rows either way by shape, and bfloat16 (oneDNN) up to 50%
-    faster as `x W^T`; other CPUs and libraries differ, hence the measurement. Used outside autograd on CPU for at
-    most `max_rows` rows (the draft passes: `FusedProjections`, the drafter's projections and LM head); everything
-    else runs `nn.functional.linear`.
+    All read the same weight values and give the same results up to float rounding (the packed product is oneDNN's
+    own `x W^T` kernel without the per-call weight reorder: bit-identical to `nn.functional.linear` in the checks of
+    tests/test_matmul_layouts.py), but libraries pick different kernels for them. Measured on an AMD EPYC (Zen 4,
+    AVX-512-BF16, no AMX, MKL 2024.2 / oneDNN 3.12, 2 threads; d3d-hf issue 14, benchmarks/results/engine/): float32
+    with 2-4 rows ran 1.3-5x faster as `W x^T` (the tied LM head of SmolLM2, 2 rows: 25.5 ms against 6.3 ms), 6-16
+    rows either way by shape; bfloat16 up to 50% faster as `x W^T` than as `W x^T`, and `x W^T` on prepacked weights
+    25-60% faster still (the LM head, 8 rows: 6.7 ms against 2.7 ms in a draft pass). Other CPUs and libraries differ,
+    hence the measurement. Used outside autograd on CPU for at most `max_rows` rows (the draft passes:
+    `FusedProjections`, the drafter's projections and LM head; the target's forwards under `target_matmul_layouts`);
+    everything else runs `nn.functional.linear`.
 
-    The choice is made per `(weight shape, rows, dtype, bias, threads)` from the first `2 * (samples + 1)` calls with
-    that key (alternating layouts, every result used; the first call of each layout is not counted, as it may pay
-    one-time costs such as oneDNN building its kernel for the shape), by the median times (`margin`), and kept for
-    the process (`choices`). A call on a chosen layout costs about 2 us of Python more than `nn.functional.linear`.
+    The choice is made per `(weight shape, rows, dtype, bias, threads)` from the first `n * (samples + 1)` calls with
+    that key (`n` candidates in turn, every result used; the first call of each is not counted, as it may pay
+    one-time costs such as oneDNN building its kernel for the shape, or packing the weight), by the median times
+    (`margin`), and kept for the process (`choices`). A call on a chosen layout costs about 2 us of Python more than
+    `nn.functional.linear`. A packed copy costs the memory of its weight (`packed_bytes`); it is kept while its weight
+    lives and is unchanged (its version counter), and dropped as soon as no key of its shape uses or times it.
 
     Attributes:
         max_rows (`int`, defaults to 32): inputs with more rows always run `x W^T`.
         samples (`int`, defaults to 3): counted calls per layout before the choice.
-        margin (`float`, defaults to 0.1): `W x^T` is chosen only when its median time is at least this fraction below
-            `x W^T`'s (timing noise must not move a shape off `nn.Linear`'s layout for nothing).
+        margin (`float`, defaults to 0.1): another layout is chosen only when its median time is at least this fraction
+            below `x W^T`'s (timing noise must not move a shape off `nn.Linear`'s call for nothing).
         clock (`Callable[[], float]`, defaults to `time.perf_counter`): the timer (seconds).
-        choices (`dict`): key -> `"x W^T"` or `"W x^T"`, the layouts chosen so far.
+        choices (`dict`): key -> `"x W^T"`, `"W x^T"` or `"packed"`, the layouts chosen so far.
     """
 
     LAYOUTS = ("x W^T", "W x^T")
+    PACKED = "packed"
 
     def __init__(
         self,
@@ -293,13 +301,61 @@ class MatmulLayouts:
     ) -> None:
         self.max_rows, self.samples, self.margin, self.clock = max_rows, samples, margin, clock
         self.choices: dict[tuple, str] = {}
-        self._trials: dict[tuple, tuple[list[float], list[float]]] = {}
+        self._trials: dict[tuple, tuple[list[float], ...]] = {}
         self._timed_calls = 0
+        self._packed = WeakIdKeyDictionary()  # weight -> (its version, its oneDNN-packed copy)
 
     @staticmethod
-    def _run(layout: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def candidates(dtype: torch.dtype) -> tuple[str, ...]:
+        """The layouts timed for inputs of `dtype`: `LAYOUTS`, plus `PACKED` for bfloat16 and float16 where this
+        build of torch runs them on oneDNN with native support on this CPU."""
+        mkldnn = torch.backends.mkldnn
+        supported = {
+            torch.bfloat16: getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None),
+            torch.float16: getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", None),
+        }.get(dtype)
+        if supported is not None and mkldnn.is_available() and mkldnn.enabled and supported():
+            return (*MatmulLayouts.LAYOUTS, MatmulLayouts.PACKED)
+        return MatmulLayouts.LAYOUTS
+
+    def packed_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` reordered into oneDNN's blocked layout for `x W^T` (`torch.ops.mkldnn._reorder_linear_weight`,
+        the weight prepacking of `torch.compile`'s CPU freezing pass), made on the first call and kept while `weight`
+        lives and is unchanged (its version counter; an inference tensor keeps none, then its storage counts).
+
+        Args:
+            weight (`torch.Tensor` of shape `(out_features, in_features)`, bfloat16 or float16, on CPU).
+
+        Returns:
+            `torch.Tensor`: an opaque oneDNN tensor (`layout == torch._mkldnn`) with `weight`'s shape and dtype.
+        """
+        try:
+            version = weight._version
+        except RuntimeError:  # an inference tensor
+            version = weight.data_ptr()
+        entry = self._packed.get(weight)
+        if entry is None or entry[0] != version:
+            self._packed.pop(weight, None)  # free the stale copy first
+            entry = self._packed[weight] = (version, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
+        return entry[1]
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes held now by packed weight copies (each is the size of its weight)."""
+        return sum(packed.numel() * packed.element_size() for _, packed in self._packed.values())
+
+    def _release_packed(self) -> None:
+        """Drops the packed copies that no key uses or is timing (keys are per weight shape and dtype)."""
+        needed = {(k[0], k[2]) for k, layout in self.choices.items() if layout == self.PACKED}
+        needed |= {(k[0], k[2]) for k in self._trials}
+        for weight in [w for w in self._packed.keys() if (w.shape, w.dtype) not in needed]:
+            self._packed.pop(weight, None)
+
+    def _run(self, layout: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layout == "x W^T":
             return nn.functional.linear(x, weight, bias)
+        if layout == self.PACKED:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(weight), bias, "none", [], "")
         # contiguous like `x W^T`'s result: what reads it next (e.g. SDPA's flash kernel) depends on the strides
         if bias is None:
             return torch.mm(weight, x.t()).t().contiguous()
@@ -321,7 +377,8 @@ class MatmulLayouts:
 
         Args:
             x (`torch.Tensor` of shape `(..., in_features)`): the input; its leading dimensions together are the rows.
-            weight (`torch.Tensor` of shape `(out_features, in_features)`), bias (`(out_features,)`, *optional*).
+            weight (`torch.Tensor` of shape `(out_features, in_features)`), bias (`(out_features,)`, *optional*): in
+                `x`'s dtype.
 
         Returns:
             `torch.Tensor` of shape `(..., out_features)`, contiguous, in `x`'s dtype.
@@ -337,16 +394,20 @@ class MatmulLayouts:
             return nn.functional.linear(x, weight, bias)
         flat = x.reshape(rows, x.shape[-1])
         if layout is None:
-            trials = self._trials.setdefault(key, ([], []))
-            which = 0 if len(trials[0]) <= len(trials[1]) else 1
+            layouts = self.candidates(x.dtype)
+            trials = self._trials.setdefault(key, tuple([] for _ in layouts))
+            which = min(range(len(layouts)), key=lambda i: len(trials[i]))  # in turn
             start = self.clock()
-            out = self._run(self.LAYOUTS[which], flat, weight, bias)
+            out = self._run(layouts[which], flat, weight, bias)
             trials[which].append(self.clock() - start)
             self._timed_calls += 1
             if min(len(t) for t in trials) > self.samples:  # the first call of each is not counted
-                plain, swapped = (statistics.median(t[1:]) for t in trials)
-                self.choices[key] = "W x^T" if swapped < (1.0 - self.margin) * plain else "x W^T"
+                medians = [statistics.median(t[1:]) for t in trials]
+                best = min(range(1, len(layouts)), key=medians.__getitem__)
+                self.choices[key] = layouts[best] if medians[best] < (1.0 - self.margin) * medians[0] else "x W^T"
                 self._trials.pop(key, None)
+                if self._packed:
+                    self._release_packed()
         else:
             out = self._run(layout, flat, weight, bias)
         return out.view(*x.shape[:-1], weight.shape[0])
@@ -427,7 +488,7 @@ class FusedProjections:
                 parts = [p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in projections]
                 parts.append(self.weight.new_zeros(sum(p.rank for p in adapted)))
                 self.bias = torch.cat([b.to(device=device, dtype=dtype) for b in parts])
-            self.block_b = None
+            self.block_b = self.block_b_t = None
             if adapted:
                 block_b = torch.zeros(sum(p.rank for p in adapted), self.base_width, device=device, dtype=dtype)
                 starts = torch.tensor([0, *self.widths[:-1]]).cumsum(0).tolist()
@@ -437,11 +498,12 @@ class FusedProjections:
                     block_b[row : row + p.rank, col : col + p.out_features] = (p.lora_B * p.lora_scaling).t()
                     row += p.rank
                 self.block_b = block_b
+                self.block_b_t = block_b.t().contiguous()  # as a linear weight, for `MatmulLayouts`
 
     @property
     def memory_bytes(self) -> int:
         """Bytes held by the copy."""
-        tensors = [t for t in (self.weight, self.bias, self.block_b) if t is not None]
+        tensors = [t for t in (self.weight, self.bias, self.block_b, self.block_b_t) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def __call__(self, x: torch.Tensor, rows: BlockRows) -> list[torch.Tensor]:
@@ -453,7 +515,9 @@ class FusedProjections:
         if self.block_b is not None:
             if rows.start is not None:
                 if rows.start < x.shape[1]:
-                    if x.shape[0] == 1:  # 2-D: in place on the block rows (row stride > width is BLAS-compatible)
+                    if x.shape[0] == 1 and rows.layouts is not None:  # the second matmul autotuned too
+                        base[0, rows.start :].add_(rows.layouts.linear(down[0, rows.start :], self.block_b_t))
+                    elif x.shape[0] == 1:  # 2-D: in place on the block rows (row stride > width is BLAS-compatible)
                         base[0, rows.start :].addmm_(down[0, rows.start :], self.block_b)
                     else:
                         block_b = self.block_b.expand(x.shape[0], -1, -1)

@@ -22,7 +22,7 @@ class ScriptedLayouts(MatmulLayouts):
     def _run(self, layout, x, weight, bias):
         self.now += self.costs[layout]
         self.ran.append(layout)
-        return MatmulLayouts._run(layout, x, weight, bias)
+        return super()._run(layout, x, weight, bias)
 
 
 @pytest.mark.parametrize("layout", MatmulLayouts.LAYOUTS)
@@ -31,7 +31,7 @@ def test_both_layouts_give_linear_values(layout, bias):
     torch.manual_seed(0)
     x, weight = torch.randn(5, 16), torch.randn(24, 16)
     b = torch.randn(24) if bias else None
-    out = MatmulLayouts._run(layout, x, weight, b)
+    out = MatmulLayouts()._run(layout, x, weight, b)
     torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b))
     assert out.is_contiguous(), "what reads the result next may need contiguous rows (SDPA's flash kernel)"
 
@@ -136,9 +136,12 @@ def test_draft_passes_run_on_the_chosen_layouts_and_the_option_turns_them_off(mo
     if fused_projections:  # q/k/v in one weight with the adapters' A rows below
         q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
         assert (q + 2 * kv + 3 * 4, config.hidden_size) in shapes
+        assert (q + 2 * kv, 3 * 4) in shapes, "the second matmul: the adapters' B on the block rows"
     else:
         assert (config.intermediate_size, config.hidden_size) in shapes, "gate/up on the shared weights"
-    assert {key[1] for key in modeling.MATMUL_LAYOUTS.choices} == {7 + 3, 3 + 1}, "the pass's rows, the logits' rows"
+    rows = {key[1] for key in modeling.MATMUL_LAYOUTS.choices}
+    # the pass's rows, the logits' rows (anchor + masks), and with fused projections the masks' rows (block-B)
+    assert rows == ({7 + 3, 3 + 1, 3} if fused_projections else {7 + 3, 3 + 1})
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="autotune_matmuls"):
             drafter.model.autotune_matmuls = bad
@@ -237,3 +240,107 @@ def test_target_matmul_layouts_option_errors(options):
     drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
     with pytest.raises(ValueError, match="d3d_target_matmul_layouts"):
         _greedy(target, random_prompt(), drafter, **options)
+
+
+ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+packed_layout = pytest.mark.skipif(
+    not ONEDNN_BF16, reason="oneDNN has no native bfloat16 on this CPU (then the packed layout is never a candidate)"
+)
+
+
+def test_packed_layout_is_a_candidate_only_for_half_precision_on_onednn():
+    assert MatmulLayouts.candidates(torch.float32) == MatmulLayouts.LAYOUTS
+    assert MatmulLayouts.candidates(torch.float64) == MatmulLayouts.LAYOUTS
+    with_packed = (*MatmulLayouts.LAYOUTS, MatmulLayouts.PACKED)
+    assert MatmulLayouts.candidates(torch.bfloat16) == (with_packed if ONEDNN_BF16 else MatmulLayouts.LAYOUTS)
+
+
+@packed_layout
+def test_a_packed_copy_is_kept_while_another_row_count_still_times_it():
+    layouts = ScriptedLayouts({"x W^T": 1.0, "W x^T": 1.5, MatmulLayouts.PACKED: 2.0}, samples=1)
+    weight = torch.randn(12, 6, dtype=torch.bfloat16)
+    two, three = torch.randn(2, 6, dtype=torch.bfloat16), torch.randn(3, 6, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(3):  # 3 rows: x W^T, W x^T, packed (one call each so far)
+            layouts.linear(three, weight)
+        for _ in range(6):  # 2 rows: timed to the end, packed rejected
+            layouts.linear(two, weight)
+        assert len(layouts.choices) == 1 and not layouts.settled()
+        assert layouts.packed_bytes > 0, "3 rows are still timing the packed layout"
+        for _ in range(3):
+            layouts.linear(three, weight)
+    assert layouts.settled() and layouts.packed_bytes == 0
+
+
+@packed_layout
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_layout_gives_linear_values_exactly(bias):
+    torch.manual_seed(0)
+    layouts = MatmulLayouts()
+    weight = torch.randn(40, 24, dtype=torch.bfloat16)
+    b = torch.randn(40, dtype=torch.bfloat16) if bias else None
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 30, dtype=torch.bfloat16)[:, 3:27]  # a strided view, as the block rows are
+        out = layouts._run(MatmulLayouts.PACKED, x, weight, b)
+        # oneDNN's own x W^T kernel without the per-call weight reorder: the same bits as nn.Linear
+        assert torch.equal(out, torch.nn.functional.linear(x, weight, b))
+        assert out.is_contiguous() and out.dtype == torch.bfloat16
+    assert layouts.packed_bytes == weight.numel() * 2, "one packed copy per weight, reused"
+
+
+@packed_layout
+def test_packed_weight_follows_changes_to_its_weight_and_dies_with_it():
+    layouts = MatmulLayouts()
+    weight = torch.randn(16, 8, dtype=torch.bfloat16)
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    first = layouts.packed_weight(weight)
+    assert layouts.packed_weight(weight) is first
+    weight.mul_(2.0)  # an in-place edit (an optimiser step, a merged adapter)
+    assert layouts.packed_weight(weight) is not first
+    assert torch.equal(layouts._run(MatmulLayouts.PACKED, x, weight, None), torch.nn.functional.linear(x, weight))
+    with torch.inference_mode():
+        frozen = torch.randn(16, 8, dtype=torch.bfloat16)
+    assert layouts.packed_weight(frozen) is layouts.packed_weight(frozen), "inference tensors: keyed by storage"
+    del weight, frozen
+    assert layouts.packed_bytes == 0, "a packed copy does not outlive its weight"
+
+
+@packed_layout
+@pytest.mark.parametrize("packed_cost", [0.5, 2.0])
+def test_packed_layout_is_timed_with_the_others_and_its_copies_are_freed_unless_chosen(packed_cost):
+    layouts = ScriptedLayouts({"x W^T": 1.0, "W x^T": 1.5, MatmulLayouts.PACKED: packed_cost}, samples=2)
+    weights = [torch.randn(12, 6, dtype=torch.bfloat16) for _ in range(2)]  # e.g. two layers' q/k/v
+    x = torch.randn(3, 6, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(9):  # 1 + 2 timed calls of each of the 3 layouts, in turn
+            for weight in weights:
+                torch.testing.assert_close(layouts.linear(x, weight), torch.nn.functional.linear(x, weight))
+    assert layouts.settled() and layouts.ran.count(MatmulLayouts.PACKED) >= 3
+    chosen = MatmulLayouts.PACKED if packed_cost < 1.0 else "x W^T"
+    assert set(layouts.choices.values()) == {chosen}
+    # a chosen packed layout keeps both layers' copies; a rejected one leaves no memory behind
+    assert layouts.packed_bytes == (2 * weights[0].numel() * 2 if chosen == MatmulLayouts.PACKED else 0)
+
+
+@packed_layout
+@pytest.mark.parametrize("fused_projections", [False, True])
+def test_bfloat16_draft_passes_on_packed_weights_match_nn_linear(monkeypatch, fused_projections):
+    drafter = _drafter().to(torch.bfloat16)
+    drafter.model.fused_projections = fused_projections
+    ids = random_prompt(7)
+    drafter.model.autotune_matmuls = False
+    reference = drafter.draft_logits(ids, D3DCache(), num_masks=3)
+    drafter.model.autotune_matmuls = True
+    layouts = ScriptedLayouts({"x W^T": 1.0, "W x^T": 1.0, MatmulLayouts.PACKED: 0.5})
+    monkeypatch.setattr(modeling, "MATMUL_LAYOUTS", layouts)
+    for _ in range(12):
+        out = drafter.draft_logits(ids, D3DCache(), num_masks=3)
+        torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2)  # W x^T rounds differently in bfloat16
+    assert layouts.settled() and set(layouts.choices.values()) == {MatmulLayouts.PACKED}
+    layouts.ran.clear()
+    out = drafter.draft_logits(ids, D3DCache(), num_masks=3)
+    assert set(layouts.ran) == {MatmulLayouts.PACKED}
+    if fused_projections:  # the block-B product is rounded to bfloat16 before its add (addmm_ adds unrounded)
+        torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2)
+    else:
+        assert torch.equal(out, reference), "packed weights: nn.Linear's bits"
