@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import ModelOutput
