@@ -275,7 +275,8 @@ class MatmulLayouts:
 
     The choice is made per `(weight shape, rows, dtype, bias, threads)` from the first `n * (samples + 1)` calls with
     that key (`n` candidates in turn, every result used; the first call of each is not counted, as it may pay
-    one-time costs such as oneDNN building its kernel for the shape, or packing the weight), by the median times
+    one-time costs such as oneDNN building its kernel for the shape; packing a weight is done outside the clock, as
+    the calls with one key run many weights, e.g. every layer's q/k/v), by the median times
     (`margin`), and kept for the process (`choices`). A call on a chosen layout costs about 2 us of Python more than
     `nn.functional.linear`. A packed copy costs the memory of its weight (`packed_bytes`); it is kept while its weight
     lives and is unchanged (its version counter), and dropped as soon as no key of its shape uses or times it.
@@ -397,6 +398,8 @@ class MatmulLayouts:
             layouts = self.candidates(x.dtype)
             trials = self._trials.setdefault(key, tuple([] for _ in layouts))
             which = min(range(len(layouts)), key=lambda i: len(trials[i]))  # in turn
+            if layouts[which] == self.PACKED:
+                self.packed_weight(weight)  # a one-time cost per weight (a key's weights: e.g. every layer's q/k/v)
             start = self.clock()
             out = self._run(layouts[which], flat, weight, bias)
             trials[which].append(self.clock() - start)

@@ -344,3 +344,21 @@ def test_bfloat16_draft_passes_on_packed_weights_match_nn_linear(monkeypatch, fu
         torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2)
     else:
         assert torch.equal(out, reference), "packed weights: nn.Linear's bits"
+
+
+@packed_layout
+def test_packing_a_weight_is_not_counted_in_the_packed_layouts_time():
+    class CostlyPacking(ScriptedLayouts):
+        def packed_weight(self, weight):
+            if weight not in self._packed:
+                self.now += 100.0  # a reorder per weight: one-time, and a key runs many weights (every layer's)
+            return super().packed_weight(weight)
+
+    layouts = CostlyPacking({"x W^T": 1.0, "W x^T": 1.5, MatmulLayouts.PACKED: 0.5}, samples=2)
+    weights = [torch.randn(12, 6, dtype=torch.bfloat16) for _ in range(4)]  # four layers, one key
+    x = torch.randn(2, 6, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(3):
+            for weight in weights:
+                layouts.linear(x, weight)
+    assert set(layouts.choices.values()) == {MatmulLayouts.PACKED}
