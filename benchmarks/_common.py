@@ -22,3 +22,16 @@ def add_timing_arguments(parser: argparse.ArgumentParser, repeats: int = 25) -> 
     parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--context", type=int, default=256, help="cached tokens before each timed forward")
     parser.add_argument("--output", help="also write the table to this markdown file")
+
+
+def layout_table(choices: dict, rows: tuple[int, ...]) -> list[str]:
+    """Markdown lines: the layout `MatmulLayouts` chose (its `choices`) per weight shape (table rows, largest first)
+    and row count (columns, `rows`)."""
+    shapes = sorted({(key[0], key[3]) for key in choices}, key=lambda item: (-item[0][0] * item[0][1], item[1]))
+    lines = ["", "Matmul layouts chosen (`MatmulLayouts`: another than `x W^T` where it was at least 10% faster):", ""]
+    lines += ["| weight (out x in) | " + " | ".join(f"{q} rows" for q in rows) + " |", "|---|" + "---|" * len(rows)]
+    for shape, bias in shapes:
+        cells = [next((v for k, v in choices.items() if (k[0], k[1], k[3]) == (shape, q, bias)), "") for q in rows]
+        name = f"{shape[0]} x {shape[1]}" + (" + bias" if bias else "")
+        lines.append(f"| {name} | " + " | ".join(f"`{c}`" if c else "" for c in cells) + " |")
+    return lines

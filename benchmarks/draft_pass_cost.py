@@ -21,7 +21,7 @@ import time
 
 import d3d_hf.modeling.modeling_d3d as modeling
 import torch
-from _common import add_timing_arguments, emit
+from _common import add_timing_arguments, emit, layout_table
 from d3d_hf.modeling.calibration_d3d import cpu_model
 
 from d3d_hf.costmodel import _prefilled_drafter_cache
@@ -39,18 +39,6 @@ HEADERS = {
     "per-projection": "per-projection adapters",
     "no adapters": "no adapters (the target's layers)",
 }
-
-
-def layout_table(choices: dict) -> list[str]:
-    """Markdown lines: the layout `MatmulLayouts` chose per weight shape (rows) and row count (columns)."""
-    shapes = sorted({(key[0], key[3]) for key in choices}, key=lambda item: (-item[0][0] * item[0][1], item[1]))
-    lines = ["", "Matmul layouts chosen (`MatmulLayouts`: `W x^T` where it was at least 10% faster):", ""]
-    lines += ["| weight (out x in) | " + " | ".join(f"{q} rows" for q in ROWS) + " |", "|---|" + "---|" * len(ROWS)]
-    for shape, bias in shapes:
-        cells = [next((v for k, v in choices.items() if (k[0], k[1], k[3]) == (shape, q, bias)), "") for q in ROWS]
-        name = f"{shape[0]} x {shape[1]}" + (" + bias" if bias else "")
-        lines.append(f"| {name} | " + " | ".join(f"`{c}`" if c else "" for c in cells) + " |")
-    return lines
 
 
 def main() -> None:
@@ -121,7 +109,7 @@ def main() -> None:
             t = statistics.median(times[(variant, q)])
             cells.append(f"{1e3 * t:.1f} ({t / base:.2f}x)")
         lines.append(f"| {q} | " + " | ".join(cells) + " |")
-    lines += layout_table(modeling.MATMUL_LAYOUTS.choices)
+    lines += layout_table(modeling.MATMUL_LAYOUTS.choices, ROWS)
     emit(lines, args.output)
 
 

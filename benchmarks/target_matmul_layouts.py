@@ -17,9 +17,9 @@ import statistics
 import time
 
 import torch
-from _common import add_timing_arguments, emit
+from _common import add_timing_arguments, emit, layout_table
 from d3d_hf.modeling.calibration_d3d import cpu_model
-from d3d_hf.modeling.modeling_d3d import target_matmul_layouts
+from d3d_hf.modeling.modeling_d3d import MATMUL_LAYOUTS, target_matmul_layouts
 from transformers import DynamicCache
 
 from d3d_hf.targets import load_target
@@ -38,6 +38,7 @@ def main() -> None:
     variants = ("nn.Linear", "MatmulLayouts")
     times = {(v, q): [] for v in variants for q in ROWS}
     agree = {q: [] for q in ROWS}
+    identical = {q: [] for q in ROWS}
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         cache = DynamicCache(config=target.config)
@@ -57,6 +58,7 @@ def main() -> None:
                         times[(variant, q)].append(elapsed)
                 same = (logits["nn.Linear"].argmax(-1) == logits["MatmulLayouts"].argmax(-1)).float().mean()
                 agree[q].append(float(same))
+                identical[q].append(float(torch.equal(logits["nn.Linear"], logits["MatmulLayouts"])))
     cpu = cpu_model()
     lines = [
         f"SmolLM2-135M-Instruct forward over q new rows, {args.dtype}, {args.threads} threads, {args.context} cached "
@@ -64,15 +66,16 @@ def main() -> None:
         f"({', '.join(k for k, v in cpu.items() if v is True)}). Command: `python benchmarks/target_matmul_layouts.py "
         f"--dtype {args.dtype} --threads {args.threads} --repeats {args.repeats}`",
         "",
-        "| rows | `nn.Linear` ms | `MatmulLayouts` ms | ratio | same argmax (random rows) |",
-        "|---|---|---|---|---|",
+        "| rows | `nn.Linear` ms | `MatmulLayouts` ms | ratio | same argmax (random rows) | bit-identical logits |",
+        "|---|---|---|---|---|---|",
     ]
     for q in ROWS:
         plain, tuned = (statistics.median(times[(v, q)]) for v in variants)
         lines.append(
             f"| {q} | {1e3 * plain:.1f} | {1e3 * tuned:.1f} | {tuned / plain:.2f}x | "
-            f"{100 * statistics.mean(agree[q]):.1f}% |"
+            f"{100 * statistics.mean(agree[q]):.1f}% | {100 * statistics.mean(identical[q]):.0f}% of forwards |"
         )
+    lines += layout_table(MATMUL_LAYOUTS.choices, ROWS)
     emit(lines, args.output)
 
 
