@@ -892,11 +892,14 @@ class D3DModel(D3DPreTrainedModel):
     @property
     def autotune_matmuls(self) -> bool:
         """Whether forwards outside autograd on CPU run their projections' and the LM head's matmuls of at most 32
-        rows (the draft passes) through `MatmulLayouts`, which times the two equivalent layouts of each shape on
-        this machine and keeps the faster (not saved; default `True`). On the machine of d3d-hf issue 14 it made the
-        shipped drafter's float32 pass over 2-4 rows 1.7x faster (benchmarks/results/engine/draft_pass.md). `False`
-        runs `nn.functional.linear` everywhere, e.g. for bit-reproducible drafts across processes (the layouts round
-        differently and are chosen by timing).
+        rows (the draft passes) through `MatmulLayouts`, which times the equivalent layouts of each shape on this
+        machine and keeps the fastest (not saved; default `True`). On the machine of d3d-hf issue 14 it made the
+        shipped drafter's float32 pass over 2-4 rows 1.7x faster, and in bfloat16 the LM head's matmul 2.5x faster
+        on prepacked oneDNN weights (benchmarks/results/engine/draft_pass.md). In bfloat16/float16 a packed copy of
+        every weight whose shape chose the packed layout is held in memory (`MATMUL_LAYOUTS.packed_bytes`; about
+        the size of the drafter's fused weights plus its LM head). `False` runs `nn.functional.linear` everywhere,
+        e.g. for bit-reproducible drafts across processes (the layouts round differently and are chosen by timing),
+        or to hold no packed copies.
 
         Raises:
             ValueError: (on assignment) for a value that is not a `bool`.
