@@ -15,6 +15,7 @@ import math
 import os
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -345,6 +346,12 @@ class MatmulLayouts:
         """Bytes held now by packed weight copies (each is the size of its weight)."""
         return sum(packed.numel() * packed.element_size() for _, packed in self._packed.values())
 
+    def release_packed(self, weights) -> None:
+        """Drops the packed copies of `weights` (an iterable of tensors; those without one are skipped), e.g. when a
+        model stops using the layouts (`D3DModel.autotune_matmuls = False`). A later packed call packs afresh."""
+        for weight in weights:
+            self._packed.pop(weight, None)
+
     def _release_packed(self) -> None:
         """Drops the packed copies that no key uses or is timing (keys are per weight shape and dtype)."""
         needed = {(k[0], k[2]) for k, layout in self.choices.items() if layout == self.PACKED}
@@ -491,7 +498,7 @@ class FusedProjections:
                 parts = [p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in projections]
                 parts.append(self.weight.new_zeros(sum(p.rank for p in adapted)))
                 self.bias = torch.cat([b.to(device=device, dtype=dtype) for b in parts])
-            self.block_b = self.block_b_t = None
+            self.block_b = None
             if adapted:
                 block_b = torch.zeros(sum(p.rank for p in adapted), self.base_width, device=device, dtype=dtype)
                 starts = torch.tensor([0, *self.widths[:-1]]).cumsum(0).tolist()
@@ -501,12 +508,11 @@ class FusedProjections:
                     block_b[row : row + p.rank, col : col + p.out_features] = (p.lora_B * p.lora_scaling).t()
                     row += p.rank
                 self.block_b = block_b
-                self.block_b_t = block_b.t().contiguous()  # as a linear weight, for `MatmulLayouts`
 
     @property
     def memory_bytes(self) -> int:
         """Bytes held by the copy."""
-        tensors = [t for t in (self.weight, self.bias, self.block_b, self.block_b_t) if t is not None]
+        tensors = [t for t in (self.weight, self.bias, self.block_b) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def __call__(self, x: torch.Tensor, rows: BlockRows) -> list[torch.Tensor]:
@@ -518,9 +524,7 @@ class FusedProjections:
         if self.block_b is not None:
             if rows.start is not None:
                 if rows.start < x.shape[1]:
-                    if x.shape[0] == 1 and rows.layouts is not None:  # the second matmul autotuned too
-                        base[0, rows.start :].add_(rows.layouts.linear(down[0, rows.start :], self.block_b_t))
-                    elif x.shape[0] == 1:  # 2-D: in place on the block rows (row stride > width is BLAS-compatible)
+                    if x.shape[0] == 1:  # 2-D: in place on the block rows (row stride > width is BLAS-compatible)
                         base[0, rows.start :].addmm_(down[0, rows.start :], self.block_b)
                     else:
                         block_b = self.block_b.expand(x.shape[0], -1, -1)
@@ -911,6 +915,13 @@ class D3DModel(D3DPreTrainedModel):
         if not isinstance(value, bool):
             raise ValueError(f"`autotune_matmuls` must be True or False, got {value!r}.")
         self._autotune_matmuls = value
+        if value is False:  # free this model's packed weight copies
+            fused = [c["fused_projections"][1] for c in self._projection_caches() if "fused_projections" in c]
+            weights = [*self.parameters(), *(f.weight for f in fused)]
+            owner = self.__dict__.get("_output_embeddings")
+            if owner is not None and owner() is not None:  # the LM head (the target's, once attached)
+                weights.append(owner().lm_head.weight)
+            MATMUL_LAYOUTS.release_packed(weights)
 
     def matmul_layout_trials(self) -> int:
         """`MatmulLayouts.timed_calls` of the layouts this model runs on: a forward that leaves it unchanged ran on
@@ -1138,6 +1149,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
             self._tied_weights_keys = {}
         self.model = D3DModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model._output_embeddings = weakref.ref(self)  # whose LM head runs on `autotune_matmuls` too
         self.post_init()
         install_generation_hook()
         # decoding options read by `D3DCandidateGenerator` unless the `GenerationConfig` of the call sets them
