@@ -170,6 +170,8 @@ def test_result_from_benchmark():
     r = result_from_benchmark(bench)
     assert (r.tau, r.speedup, r.tokens_per_second, r.target_tokens_per_second) == (2.1, 1.33, 30.5, 23.0)
     assert r.prompts == "humaneval (first 8)" and r.num_prompts == 8 and r.hardware == "2-core x86_64 CPU, 2 threads"
+    bench["settings"]["offset"] = 20  # `--offset 20 --limit 8`: not the first 8
+    assert result_from_benchmark(bench).prompts == "humaneval (prompts 20-27)"
     with pytest.raises(ValueError, match="no summary"):
         result_from_benchmark({"summary": {"target": {}}})
 

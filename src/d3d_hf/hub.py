@@ -257,8 +257,11 @@ def result_from_benchmark(
                 hardware += f", {settings['torch_threads']} threads"
     if prompts is None and settings.get("prompts") is not None:
         prompts = str(settings["prompts"])
-        if settings.get("limit"):
-            prompts += f" (first {settings['limit']})"
+        offset, limit = int(settings.get("offset") or 0), settings.get("limit")
+        if limit and offset:  # `--offset K --limit N`: prompts K..K+N-1 (0-based, as the bench counts them)
+            prompts += f" (prompts {offset}-{offset + int(limit) - 1})"
+        elif limit:
+            prompts += f" (first {limit})"
     return MeasuredResult(
         prompts=prompts or "not recorded",
         tau=s.get("tau"),
