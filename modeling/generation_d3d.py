@@ -322,9 +322,28 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.round_clock = RoundClock(self.stats.draft_seconds, self.stats.verify_seconds)
         self._worker = PackedPassWorker(self._draft_device(), self.worker_threads)
         self._pending_info = None  # launch info of the packed pass in flight (`self._worker` runs it)
+        self._verify_trials = 0  # `_layout_trials()` when the current round's verification began
 
     def _draft_device(self) -> torch.device:
         return self.drafter.model.embed_tokens.weight.device
+
+    def _layout_trials(self) -> int:
+        """The process's `MatmulLayouts.timed_calls` (drafter and, under `d3d_target_matmul_layouts`, target)."""
+        trials = getattr(self.drafter.model, "matmul_layout_trials", None)
+        return trials() if trials is not None else 0
+
+    def _timed_pass(self, committed, cache, num_masks: int) -> tuple[torch.Tensor, float, float | None]:
+        """A draft pass: `(block logits, its seconds, the seconds to learn)`. A pass during which `MatmulLayouts`
+        was still timing candidate layouts (a row count seen for the first time) ran some matmuls on slower layouts
+        than it will from then on: its time is used for this round's choice but not learned into the cost curve,
+        where the policy's EMA would keep it (a row count made too dear stops being chosen, so nothing corrects it)."""
+        trials = self._layout_trials()
+        block_logits, seconds = timed(lambda: self.drafter.draft_logits(committed, cache, num_masks=num_masks)[0])
+        return block_logits, seconds, seconds if self._layout_trials() == trials else None
+
+    def _learned_verify_seconds(self, seconds: float | None) -> float | None:
+        """The verification's time, or `None` when `MatmulLayouts` timed candidates during it (see `_timed_pass`)."""
+        return seconds if self._layout_trials() == self._verify_trials else None
 
     def _setup_policy(self, options: dict[str, Any], target) -> None:
         """Validates the policy options and picks the `DraftPolicy` of this call (see `POLICY_OPTIONS`)."""
@@ -528,10 +547,10 @@ class D3DCandidateGenerator(CandidateGenerator):
             return self._finish_tree_round(tree, "target", decision, None, None)
         committed = input_ids[:, cache.get_seq_length() :].to(self._draft_device())
         num_masks = limit if self._fixed_num_drafts is None else self._fixed_num_drafts
-        block_logits, draft_seconds = timed(lambda: self.drafter.draft_logits(committed, cache, num_masks=num_masks)[0])
+        block_logits, draft_seconds, learned_seconds = self._timed_pass(committed, cache, num_masks)
         chain_drafts, scores = self._choose_drafts(input_ids, block_logits.float()[:num_masks])
         if not scores:
-            return self._finish_tree_round(tree, "target", decision, None, draft_seconds)
+            return self._finish_tree_round(tree, "target", decision, None, learned_seconds)
         probabilities = torch.cat(scores, dim=0).softmax(dim=-1)
         extra = []
         if lookup is not None and self.policy_mode == "adaptive":
@@ -559,7 +578,7 @@ class D3DCandidateGenerator(CandidateGenerator):
             gains[gain_key] = ratio if gain_key not in gains else 0.8 * gains[gain_key] + 0.2 * ratio
         if self.tree_budget == "adaptive" and self.policy.verify_curve is not None:
             tree = tree.prefix(self._adaptive_tree_size(tree, num_pending_target=1, draft_seconds=draft_seconds))
-        return self._finish_tree_round(tree, "drafter", decision, primary, draft_seconds)
+        return self._finish_tree_round(tree, "drafter", decision, primary, learned_seconds)
 
     def _adaptive_tree_size(self, tree: DraftTree, num_pending_target: int, draft_seconds: float) -> int:
         """Node count `n` in `[0, len(tree)]` that maximises `(1 + sum_{i < n} P_i) / (draft_seconds +
@@ -591,12 +610,13 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.stats.record_round_plan(source, len(tree))
         self.stats.drafted_tokens += len(tree)
         self.round_clock.end_draft()
+        self._verify_trials = self._layout_trials()
         return tree
 
     def update_tree_strategy(self, input_ids: torch.LongTensor, tree: DraftTree, path: list[int]) -> None:
         """Records the outcome of one tree verification: `path`, the accepted nodes (after eos and length
         cropping), the last of which is followed by one more committed token."""
-        verify_seconds = self.round_clock.end_verify()
+        verify_seconds = self._learned_verify_seconds(self.round_clock.end_verify())
         decision, _, primary, draft_seconds = self._round
         if decision is not None:
             first_round = self.stats.rounds == 0  # its verification includes the prefill
@@ -660,21 +680,20 @@ class D3DCandidateGenerator(CandidateGenerator):
             # a fixed number of drafts keeps its block whole near `max_length` (masks attend to each other, so the
             # number of masks changes the drafts); the adaptive engine computes only the rows it may send
             num_masks = self._fixed_num_drafts if self._fixed_num_drafts is not None else decision.num_masks
-            block_logits, draft_seconds = timed(
-                lambda: self.drafter.draft_logits(committed, cache, num_masks=num_masks)[0]
-            )
+            block_logits, seconds, draft_seconds = self._timed_pass(committed, cache, num_masks)
             drafts, scores = self._choose_drafts(input_ids, block_logits.float()[: decision.num_masks])
             if drafts:
                 confidences = self._confidences(drafts, scores)
-                keep = self.policy.choose(confidences, draft_seconds, decision)
+                keep = self.policy.choose(confidences, seconds, decision)
                 drafts, scores = drafts[:keep], scores[:keep]
-        self._round = (decision, len(drafts), confidences, draft_seconds)
+        self._round = (decision, len(drafts), confidences, draft_seconds)  # the seconds to learn
         return self._finish_round(input_ids, decision.source, drafts, scores)
 
     def _finish_round(self, input_ids: torch.LongTensor, source: str, drafts: list, scores: list):
         """Records the round's plan, ends its draft span and returns what `get_candidates` returns."""
         self.stats.record_round_plan(source, len(drafts))
         self.round_clock.end_draft()
+        self._verify_trials = self._layout_trials()
         if not drafts:
             return input_ids, None
         self.stats.drafted_tokens += len(drafts)
@@ -843,7 +862,7 @@ class D3DCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches) -> None:
         """Records the outcome of one verification (`num_matches` accepted drafts, after transformers' eos and
         length cropping)."""
-        verify_seconds = self.round_clock.end_verify()
+        verify_seconds = self._learned_verify_seconds(self.round_clock.end_verify())
         num_matches = int(num_matches)
         if self._round is not None:
             decision, num_sent, confidences, draft_seconds = self._round

@@ -233,3 +233,80 @@ def test_a_disturbed_calibration_is_measured_again_and_a_stored_one_replaced(mon
     results[:] = [good]
     policy, _ = calibration_d3d.policy_for(target, drafter)
     assert not results and policy.verify_curve(2) == pytest.approx(0.012)
+
+
+class DrafterEveryRound(DraftPolicy):
+    """Drafts every round and records the timings each round hands back to be learned."""
+
+    def __init__(self, max_drafts: int):
+        super().__init__(CostCurve({1: 1.0}), CostCurve({1: 1.0}), max_drafts=max_drafts)
+        self.learned = []
+
+    def decide(self, num_pending, lookup_tokens=0, max_candidates=None, lookup_ngram_size=None):
+        limit = self.max_drafts if max_candidates is None else min(self.max_drafts, max_candidates)
+        if limit == 0:
+            return RoundDecision("target", num_pending=num_pending)
+        return RoundDecision("drafter", num_masks=limit, num_pending=num_pending, explore=True)
+
+    def observe_round(self, decision, **kwargs):
+        if decision.source == "drafter":
+            self.learned.append(kwargs.get("draft_seconds"))
+        super().observe_round(decision, **kwargs)
+
+
+def test_passes_that_timed_matmul_layouts_are_not_learned_into_the_draft_curve(monkeypatch):
+    """A draft pass during which `MatmulLayouts` still timed candidate layouts (a new row count) ran slower layouts
+    than later passes will: the engine uses its time for the round but does not learn it."""
+    import d3d_hf.modeling.modeling_d3d as modeling
+
+    monkeypatch.setattr(modeling, "MATMUL_LAYOUTS", modeling.MatmulLayouts(samples=1))
+    target = tiny_target("llama", sharpen=4.0)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, num_layers=2, block_size=4)
+    policy = drafter.draft_policy = DrafterEveryRound(3)
+    timed_passes = []
+    draft_logits = drafter.draft_logits
+
+    def recording_draft_logits(*args, **kwargs):
+        before = modeling.MATMUL_LAYOUTS.timed_calls
+        out = draft_logits(*args, **kwargs)
+        timed_passes.append(modeling.MATMUL_LAYOUTS.timed_calls != before)
+        return out
+
+    monkeypatch.setattr(drafter, "draft_logits", recording_draft_logits)
+    ids = random_prompt(9)
+    out = _greedy(target, ids, drafter, max_new_tokens=40, d3d_prompt_lookup=False)
+    assert torch.equal(out, _greedy(target, ids, max_new_tokens=40))
+    assert len(policy.learned) == len(timed_passes) and True in timed_passes and False in timed_passes
+    for timing, timed_layouts in zip(policy.learned, timed_passes, strict=True):
+        assert (timing is None) == timed_layouts
+
+
+class RecordingVerify(DrafterEveryRound):
+    def observe_round(self, decision, **kwargs):
+        self.learned.append(kwargs.get("verify_seconds"))
+        DraftPolicy.observe_round(self, decision, **kwargs)
+
+
+def test_verifications_that_timed_the_targets_matmul_layouts_are_not_learned(monkeypatch):
+    import d3d_hf.modeling.modeling_d3d as modeling
+
+    monkeypatch.setattr(modeling, "MATMUL_LAYOUTS", modeling.MatmulLayouts(samples=1))
+    target = tiny_target("llama", sharpen=4.0)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, num_layers=2, block_size=4)
+    policy = drafter.draft_policy = RecordingVerify(3)
+    timed_forwards, before = [], []
+    target.register_forward_pre_hook(lambda module, args: before.append(modeling.MATMUL_LAYOUTS.timed_calls))
+    target.register_forward_hook(
+        lambda module, args, out: timed_forwards.append(modeling.MATMUL_LAYOUTS.timed_calls != before.pop())
+    )
+    ids = random_prompt(9)
+    config = {"d3d_target_matmul_layouts": True, "d3d_prompt_lookup": False}
+    out = _greedy(target, ids, drafter, max_new_tokens=40, **config)
+    # one target forward per round (the first also prefills the prompt, so its time is never learned); the last
+    # round, a plain step at the length limit, is not observed (generation ends there)
+    assert len(timed_forwards) == drafter.last_generation_stats.rounds == len(policy.learned) + 1
+    learned, timed_layouts = policy.learned[1:], timed_forwards[1 : len(policy.learned)]
+    assert True in timed_layouts and False in timed_layouts
+    for timing, timed in zip(learned, timed_layouts, strict=True):
+        assert (timing is None) == timed
+    assert torch.equal(out, _greedy(target, ids, max_new_tokens=40))
