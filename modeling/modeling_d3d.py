@@ -310,13 +310,15 @@ class MatmulLayouts:
     @staticmethod
     def candidates(dtype: torch.dtype) -> tuple[str, ...]:
         """The layouts timed for inputs of `dtype`: `LAYOUTS`, plus `PACKED` for bfloat16 and float16 where this
-        build of torch runs them on oneDNN with native support on this CPU."""
+        build of torch runs them on oneDNN with native support on this CPU (and has oneDNN's private prepacking
+        ops, which `torch.compile`'s CPU backend uses)."""
         mkldnn = torch.backends.mkldnn
         supported = {
             torch.bfloat16: getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None),
             torch.float16: getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", None),
         }.get(dtype)
-        if supported is not None and mkldnn.is_available() and mkldnn.enabled and supported():
+        ops = all(hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise"))
+        if supported is not None and ops and mkldnn.is_available() and mkldnn.enabled and supported():
             return (*MatmulLayouts.LAYOUTS, MatmulLayouts.PACKED)
         return MatmulLayouts.LAYOUTS
 
