@@ -937,7 +937,8 @@ class D3DModel(D3DPreTrainedModel):
         `"auto"` (the default): on CPU, where a pass over a few rows is bound by the number of matmul calls (the
         shipped drafter's bfloat16 pass: 1.10-1.14x the target's own forward over the same rows with them, 1.36-1.45x
         without; float32 about the same either way; benchmarks/results/engine/draft_pass.md), as long as the copy
-        takes at most 10% of the machine's physical memory; `True`: on every device; `False`: never. The fused
+        takes at most 10% of the machine's physical memory (with its packed copy, where `autotune_matmuls` may make
+        one: bfloat16/float16 on oneDNN); `True`: on every device; `False`: never. The fused
         weights are a second copy of the layers' weights (e.g. about 460 MB for SmolLM2-135M in float32, half that in
         bfloat16), built at the first such forward and rebuilt when a weight changes; setting `False` frees them.
 
@@ -963,10 +964,13 @@ class D3DModel(D3DPreTrainedModel):
                     yield cache
 
     def _auto_fused(self, device: torch.device) -> bool:
-        """`fused_projections="auto"`'s rule: CPU, and the layers' weights at most 10% of physical memory."""
+        """`fused_projections="auto"`'s rule: CPU, and the copies it may add at most 10% of physical memory: the
+        fused weights (the layers' size), and with `autotune_matmuls` in a dtype that has the packed layout
+        (`MatmulLayouts.candidates`), a packed copy of them too."""
         if device.type != "cpu":
             return False
-        key = (len(self.layers), self.embed_tokens.weight.dtype)  # the decision is cached: this runs every forward
+        dtype = self.embed_tokens.weight.dtype
+        key = (len(self.layers), dtype, self.autotune_matmuls)  # the decision is cached: this runs every forward
         cached = self.__dict__.get("_auto_fused_decision")
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -975,7 +979,8 @@ class D3DModel(D3DPreTrainedModel):
             memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (AttributeError, OSError, ValueError):  # not a POSIX system: assume it fits
             memory = float("inf")
-        self._auto_fused_decision = (key, layer_bytes <= 0.1 * memory)
+        copies = 2 if self.autotune_matmuls and MatmulLayouts.PACKED in MatmulLayouts.candidates(dtype) else 1
+        self._auto_fused_decision = (key, copies * layer_bytes <= 0.1 * memory)
         return self._auto_fused_decision[1]
 
     def fused_projections_bytes(self) -> int:

@@ -169,6 +169,24 @@ def test_fused_projections_option_memory_and_errors(monkeypatch):
     assert drafter.model.fused_projections_bytes() == 0
 
 
+def test_auto_fused_projections_count_the_packed_copy_in_half_precision(monkeypatch):
+    from d3d_hf.modeling.modeling_d3d import MatmulLayouts
+
+    model = _adapted_drafter(fused_projections="auto").model
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.layers.parameters())
+    page = 4096
+    # 10% of this machine's memory holds 1.5 copies of the layers' weights
+    monkeypatch.setattr(os, "sysconf", lambda name: int(15 * layer_bytes / page) if name == "SC_PHYS_PAGES" else page)
+    cpu = torch.device("cpu")
+    assert model._auto_fused(cpu), "float32: one copy, it fits"
+    monkeypatch.setattr(MatmulLayouts, "candidates", staticmethod(lambda dtype: (*MatmulLayouts.LAYOUTS, "packed")))
+    model.to(torch.bfloat16)  # bfloat16 halves the layers' bytes: make 10% hold 1.5 bfloat16 copies again
+    monkeypatch.setattr(os, "sysconf", lambda name: int(7.5 * layer_bytes / page) if name == "SC_PHYS_PAGES" else page)
+    assert not model._auto_fused(cpu), "fused copy + its packed copy do not fit"
+    model.autotune_matmuls = False
+    assert model._auto_fused(cpu), "no layouts, no packed copy: the fused copy fits"
+
+
 def test_drafter_made_under_inference_mode_drafts():
     """Inference tensors keep no version counter: the derived-weight caches must not need one."""
     with torch.inference_mode():
