@@ -409,31 +409,33 @@ register_method(
 )
 
 
-register_method(
-    BenchMethod(
-        "d3d-own-cache",
-        "D3D (chain rounds) with the drafter's own cache: committed tokens re-run by the drafter (the ablation of "
-        "`d3d_share_target_cache`)",
-        lambda r: _d3d_kwargs_with(r, d3d_share_target_cache=False),
-        read_stats=lambda r, recorder: d3d_round_stats(r["drafter"].last_generation_stats),
-        requires=("drafter",),
-        settings=_d3d_settings,
-        cost_model="sync",
+def _register_d3d_variant(name: str, description: str, **options: Any) -> None:
+    """Registers a synchronous D3D method that is `d3d` with extra `GenerationConfig` options (an ablation or an
+    opt-in): same statistics, settings and cost model."""
+    register_method(
+        BenchMethod(
+            name,
+            description,
+            lambda r: _d3d_kwargs_with(r, **options),
+            read_stats=lambda r, recorder: d3d_round_stats(r["drafter"].last_generation_stats),
+            requires=("drafter",),
+            settings=_d3d_settings,
+            cost_model="sync",
+        )
     )
+
+
+_register_d3d_variant(
+    "d3d-own-cache",
+    "D3D (chain rounds) with the drafter's own cache: committed tokens re-run by the drafter (the ablation of "
+    "`d3d_share_target_cache`)",
+    d3d_share_target_cache=False,
 )
-
-
-register_method(
-    BenchMethod(
-        "d3d-target-layouts",
-        "D3D with the target's verification forwards on the faster matmul layout of the machine "
-        "(`d3d_target_matmul_layouts=True`; CPU)",
-        lambda r: _d3d_kwargs_with(r, d3d_target_matmul_layouts=True),
-        read_stats=lambda r, recorder: d3d_round_stats(r["drafter"].last_generation_stats),
-        requires=("drafter",),
-        settings=_d3d_settings,
-        cost_model="sync",
-    )
+_register_d3d_variant(
+    "d3d-target-layouts",
+    "D3D with the target's verification forwards on the faster matmul layout of the machine "
+    "(`d3d_target_matmul_layouts=True`; CPU)",
+    d3d_target_matmul_layouts=True,
 )
 
 
