@@ -40,6 +40,8 @@ def _assert_identical(a, b):
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
     ids = random_prompt(6)
+    # matmul layouts still being timed alternate kernels between calls (last-bit differences): compare on `x W^T`
+    a.model.autotune_matmuls = b.model.autotune_matmuls = False
     assert torch.equal(a.draft_logits(ids, D3DCache()), b.draft_logits(ids, D3DCache()))
 
 

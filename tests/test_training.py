@@ -205,6 +205,8 @@ def test_block_adapter_drafter_saves_only_its_own_weights(target, dataset, tmp_p
     ids = random_prompt(6, seed=50)
     from d3d_hf import D3DCache
 
+    # matmul layouts still being timed alternate kernels between calls (last-bit differences): compare on `x W^T`
+    loaded.model.autotune_matmuls = drafter.model.autotune_matmuls = False
     assert torch.equal(loaded.draft_logits(ids, D3DCache()), drafter.draft_logits(ids, D3DCache()))
     size = (tmp_path / "out" / "model.safetensors").stat().st_size
     assert size < 0.2 * sum(p.numel() * 4 for p in target.parameters())
