@@ -92,6 +92,53 @@ def eager_attention_forward(
     return attn_output, attn_weights
 
 
+_SDPA_HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def gqa_sdpa_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    r"""transformers' `"sdpa"` attention function, except that outside autograd on CPU grouped-query attention runs
+    `torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True)` on the `H_kv` key/value heads instead
+    of copying them `H / H_kv` times first (transformers' `repeat_kv`, which its CPU path does for queries of more
+    than one row; one row it already runs without the copy, and that call is kept). Same kernel, same values:
+    bit-identical outputs in the checks of tests/test_modeling.py. It saves the copy of every layer's cached keys
+    and values in each draft pass (measured on an AMD EPYC, 2 threads, SmolLM2-135M's 9 query / 3 key-value heads,
+    258 keys: 134-285 us -> 78-186 us per layer in bfloat16, 178-298 -> 73-175 us in float32 for 2-16 query rows;
+    d3d-hf issue 14, benchmarks/results/engine/draft_pass.md).
+
+    Args:
+        module (`nn.Module`): the attention layer (its `num_key_value_groups`, `H / H_kv`).
+        query (`torch.Tensor` of shape `(B, H, T, D)`), key and value (`(B, H_kv, S, D)`).
+        attention_mask (`torch.BoolTensor` of shape `(B, 1, T, S)`, *optional*): `True` where a query may attend.
+        dropout (`float`), scaling (`float`, *optional*), is_causal (`bool`, *optional*): as transformers' function.
+
+    Returns:
+        `(torch.Tensor of shape (B, T, H, D), None)`.
+    """
+    groups = getattr(module, "num_key_value_groups", 1)
+    fast = _SDPA_HAS_ENABLE_GQA and groups > 1 and query.device.type == "cpu" and not torch.is_grad_enabled()
+    fast = fast and query.shape[2] > 1  # one query row: transformers already runs it copy-free (its `pack_gqa`)
+    if not fast or dropout or (attention_mask is not None and attention_mask.dtype != torch.bool):
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    out = nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=scaling,
+        is_causal=causal and attention_mask is None and query.shape[2] > 1, enable_gqa=True,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
 def kernel_attention_interface(kernel: Callable) -> Callable:
     """A transformers-style attention function (`(module, query, key, value, attention_mask, scaling, ...)` ->
     `(output [B, T, H, D], None)`) that runs a registered packed-attention kernel: `attention_mask` is then the
@@ -1075,7 +1122,9 @@ class D3DModel(D3DPreTrainedModel):
         key_len = past_len + seq_len
         # the one decision of this forward about how attention runs
         attention_interface = eager_attention_forward
-        if self.config._attn_implementation not in (None, "eager"):
+        if self.config._attn_implementation == "sdpa":
+            attention_interface = gqa_sdpa_attention_forward
+        elif self.config._attn_implementation not in (None, "eager"):
             attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         if packed_metadata is not None:
             if attention_mask is not None:
@@ -1426,6 +1475,7 @@ __all__ = [
     "D3DPreTrainedModel",
     "causal_attention_mask",
     "draft_attention_mask",
+    "gqa_sdpa_attention_forward",
     "kernel_attention_interface",
     "packed_attention_mask",
     "packed_metadata",

@@ -59,6 +59,74 @@ def test_attention_implementations_agree(impl):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", [2, 3])
+def test_gqa_sdpa_equals_transformers_sdpa_without_copying_keys(dtype, groups, monkeypatch):
+    """Outside autograd on CPU, more than one query row: SDPA runs on the key/value heads (no `repeat_kv` copy) and
+    gives transformers' values bit for bit; one row, autograd and float masks go to transformers' function."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from d3d_hf.modeling.modeling_d3d import gqa_sdpa_attention_forward
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = groups, False
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append(k.shape[1]) or sdpa(q, k, v, **kw))
+    g = torch.Generator().manual_seed(groups)
+    for rows in (1, 2, 5, 16):
+        keys = 40 + rows
+        q = torch.randn(1, 2 * groups, rows, 16, generator=g).to(dtype)
+        kv = torch.randn(2, 1, 2, keys + 3, 16, generator=g).to(dtype)
+        k, v = kv[0, :, :, :keys], kv[1, :, :, :keys]  # views, as a cropped cache gives
+        mask = torch.rand(1, 1, rows, keys, generator=g) > 0.3
+        mask[..., -1] = True
+        with torch.no_grad():
+            seen.clear()
+            got, weights = gqa_sdpa_attention_forward(module, q, k, v, mask, scaling=0.25, is_causal=False)
+            assert seen == [2], (rows, seen)  # the key/value heads as they are (one row: transformers' `pack_gqa`)
+            want, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, q, k, v, mask, scaling=0.25, is_causal=False)
+        assert weights is None and got.shape == (1, rows, 2 * groups, 16) and got.is_contiguous()
+        assert torch.equal(got, want), (rows, (got.float() - want.float()).abs().max())
+    q.requires_grad_(True)  # 16 rows
+    seen.clear()
+    gqa_sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    assert seen == [2 * groups], "with autograd: transformers' function (`repeat_kv`)"
+
+
+def test_drafter_sdpa_pass_uses_gqa_attention_and_keeps_its_bits(monkeypatch):
+    """The drafter's `"sdpa"` forwards run `gqa_sdpa_attention_forward`; its draft logits (1 to 6 rows, cached
+    prefix) equal those of transformers' SDPA function bit for bit."""
+    import d3d_hf.modeling.modeling_d3d as modeling
+
+    target = tiny_target("llama")
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=6)
+    drafter.config._attn_implementation = "sdpa"
+    drafter.model.autotune_matmuls = False
+    calls = []
+    ours = modeling.gqa_sdpa_attention_forward
+    monkeypatch.setattr(modeling, "gqa_sdpa_attention_forward", lambda *a, **k: calls.append(1) or ours(*a, **k))
+    ids = random_prompt(9)
+    cache = D3DCache()
+
+    def passes():  # the anchor ids[:, 8] and 0-5 masks after a cached prefix of 8 tokens
+        out = []
+        for num_masks in range(6):
+            cache.crop(8)
+            out.append(drafter.draft_logits(ids[:, 8:], cache, num_masks=num_masks))
+        return out
+
+    with torch.no_grad():
+        drafter.draft_logits(ids[:, :8], cache, num_masks=0)
+        got = passes()
+        assert len(calls) == 7 * drafter.config.num_hidden_layers
+        monkeypatch.setattr(modeling, "gqa_sdpa_attention_forward", modeling.ALL_ATTENTION_FUNCTIONS["sdpa"])
+        want = passes()
+    for num_masks, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), num_masks
+
+
 def test_forward_input_errors():
     drafter = D3DForDiffusionDrafting(D3DConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
                                                 num_hidden_layers=1, num_attention_heads=2))
