@@ -38,6 +38,7 @@ HEADERS = {
     "fused adapters": "fused adapters on shared weights (autotuned)",
     "per-projection": "per-projection adapters",
     "no adapters": "no adapters (the target's layers)",
+    "repeat-kv attention": "default, but transformers' SDPA attention (keys/values copied per query head)",
 }
 
 
@@ -50,15 +51,24 @@ def main() -> None:
         action="store_true",
         help="time the target and the default draft pass only (fewer variants between them: less cache interference)",
     )
+    parser.add_argument(
+        "--repeat-kv-attention",
+        action="store_true",
+        help="also time the default pass on transformers' SDPA function, which copies the keys/values per query head "
+        "(the drafter's attention before `gqa_sdpa_attention_forward`)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, _ = load_target("smollm2-135m-instruct", dtype=args.dtype)
     drafter = load_drafter(args.drafter, dtype=args.dtype)
     drafter.attach_target_weights(target)
     fused_rule = modeling._fused_adapters_apply
+    gqa_attention = modeling.gqa_sdpa_attention_forward
     variants = ("target", "fused projections", "untuned", "fused adapters", "per-projection", "no adapters")
     if args.only_default:
         variants = variants[:2]
+    if args.repeat_kv_attention:
+        variants = (*variants, "repeat-kv attention")
     times = {(v, q): [] for v in variants for q in ROWS}
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -76,8 +86,11 @@ def main() -> None:
                         target_cache.crop(-q)
                     else:
                         rank = drafter.config.block_lora_rank
-                        drafter.model._fused_projections = variant in ("fused projections", "untuned")  # kept built
-                        drafter.model.autotune_matmuls = variant in ("fused projections", "fused adapters")
+                        default = variant in ("fused projections", "repeat-kv attention")
+                        drafter.model._fused_projections = default or variant == "untuned"  # kept built
+                        drafter.model.autotune_matmuls = default or variant == "fused adapters"
+                        if variant == "repeat-kv attention":
+                            modeling.gqa_sdpa_attention_forward = modeling.ALL_ATTENTION_FUNCTIONS["sdpa"]
                         if variant == "no adapters":
                             drafter.config.block_lora_rank = 0
                         elif variant == "per-projection":
@@ -88,6 +101,7 @@ def main() -> None:
                         finally:
                             drafter.config.block_lora_rank = rank
                             modeling._fused_adapters_apply = fused_rule
+                            modeling.gqa_sdpa_attention_forward = gqa_attention
                         cache.crop(args.context)
                     if rep >= WARMUP:
                         times[(variant, q)].append(elapsed)
@@ -97,7 +111,8 @@ def main() -> None:
         f"{drafter.config.block_lora_rank}), {args.dtype}, {args.threads} threads, {args.context} cached tokens, "
         f"median of {args.repeats}; CPU {cpu.get('model')} ({', '.join(k for k, v in cpu.items() if v is True)}). "
         f"Command: `python benchmarks/draft_pass_cost.py --dtype {args.dtype} --threads {args.threads} "
-        f"--repeats {args.repeats} --drafter {args.drafter}{' --only-default' if args.only_default else ''}`",
+        f"--repeats {args.repeats} --drafter {args.drafter}{' --only-default' if args.only_default else ''}"
+        f"{' --repeat-kv-attention' if args.repeat_kv_attention else ''}`",
         "",
         "| rows | target ms | " + " | ".join(HEADERS[v] for v in variants[1:]) + " |",
         "|---|---|" + "---|" * (len(variants) - 1),
