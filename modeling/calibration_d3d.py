@@ -482,6 +482,8 @@ def policy_for(
         "fused_projections": str(getattr(getattr(drafter, "model", None), "fused_projections", None)),
         "autotune_matmuls": str(getattr(getattr(drafter, "model", None), "autotune_matmuls", None)),
         "target_matmul_layouts": str(bool(target_matmul_layouts)),
+        # the target's attention function while calibrating (`modeling_d3d.target_gqa_attention` switches it)
+        "target_attention": str(getattr(target.config, "_attn_implementation", None)),
     }
     key = calibration_key(**parts)
     policy = _POLICIES.get(key)

@@ -183,7 +183,8 @@ def d3d_assisted_decoding(
     eos_ids = set() if eos is None else {int(t) for t in eos.flatten().tolist()}
     compute_dtype = next(target.parameters()).dtype
     device = target.device
-    with generator.target_layouts(target):  # `d3d_target_matmul_layouts`: the target's matmul layouts, else a no-op
+    # the target's copy-free GQA attention, and its matmul layouts under `d3d_target_matmul_layouts`
+    with generator.target_layouts(target) as generator.stats.target_gqa_attention:
         unfinished = True
         while unfinished:
             cur_len = input_ids.shape[1]

@@ -134,6 +134,8 @@ class D3DGenerationStats:
         shared_target_cache (`bool`): the draft passes attended to the target's cache (`d3d_share_target_cache`).
         target_matmul_layouts (`bool`): the target's verification forwards ran on `MatmulLayouts`
             (`d3d_target_matmul_layouts`).
+        target_gqa_attention (`bool`): the target's forwards ran on `gqa_sdpa_attention_forward`
+            (`modeling_d3d.target_gqa_attention`: D3D's own loop, CPU, `"sdpa"` with grouped-query attention).
     """
 
     rounds: int = 0
@@ -160,6 +162,7 @@ class D3DGenerationStats:
     tree_budget: int | str | None = None
     shared_target_cache: bool = False
     target_matmul_layouts: bool = False
+    target_gqa_attention: bool = False
 
     def record_round_plan(self, source: str, num_candidates: int) -> None:
         """Records where a round's candidates came from and how many were sent."""
@@ -301,6 +304,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         if layouts is not None and not isinstance(layouts, bool):
             raise ValueError(f"`d3d_target_matmul_layouts` must be True or False (or None for False), got {layouts!r}.")
         self.target_matmul_layouts = bool(layouts)
+        self._own_loop = options["d3d_decoding_loop"] in (None, "d3d")  # validated by `_setup_tree`
         self._setup_policy(options, target)
         self._setup_tree(options)
         self.cache = D3DCache()  # a new, empty drafter state for every `generate` call
@@ -437,14 +441,22 @@ class D3DCandidateGenerator(CandidateGenerator):
                 "Set one of them to its default."
             )
 
+    @contextlib.contextmanager
     def target_layouts(self, target):
-        """The context in which this call's target forwards run: `modeling_d3d.target_matmul_layouts(target)` with
-        `d3d_target_matmul_layouts=True`, else a no-op."""
-        if not self.target_matmul_layouts or target is None:
-            return contextlib.nullcontext()
-        from .modeling_d3d import target_matmul_layouts  # deferred: modeling_d3d imports this file
+        """The context in which this call's target forwards run (D3D's own loop, and the calibration of its verify
+        curve): `modeling_d3d.target_gqa_attention(target)` (the target's multi-row forwards attend without copying
+        keys/values per query head; bit-identical) unless `d3d_decoding_loop="transformers"`, and
+        `modeling_d3d.target_matmul_layouts(target)` with `d3d_target_matmul_layouts=True`. Yields whether the
+        attention was switched."""
+        from .modeling_d3d import target_gqa_attention, target_matmul_layouts  # deferred: modeling_d3d imports this
 
-        return target_matmul_layouts(target)
+        with contextlib.ExitStack() as stack:
+            switched = False
+            if target is not None and self._own_loop:
+                switched = stack.enter_context(target_gqa_attention(target))
+            if target is not None and self.target_matmul_layouts:
+                stack.enter_context(target_matmul_layouts(target))
+            yield switched
 
     def can_share_target_cache(self, target) -> bool:
         """Whether this call's drafter computes, for committed tokens, exactly the target's keys and values: it shares

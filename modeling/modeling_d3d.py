@@ -127,14 +127,15 @@ def gqa_sdpa_attention_forward(
     groups = getattr(module, "num_key_value_groups", 1)
     fast = _SDPA_HAS_ENABLE_GQA and groups > 1 and query.device.type == "cpu" and not torch.is_grad_enabled()
     fast = fast and query.shape[2] > 1  # one query row: transformers already runs it copy-free (its `pack_gqa`)
-    if not fast or dropout or (attention_mask is not None and attention_mask.dtype != torch.bool):
+    # a boolean mask (D3D's passes, the target's forwards over a cache) and nothing that transformers' function would
+    # fold into it: otherwise that function, whose causal and position-bias handling this one does not repeat
+    fast = fast and attention_mask is not None and attention_mask.dtype == torch.bool and not dropout
+    if not fast or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
         return ALL_ATTENTION_FUNCTIONS["sdpa"](
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     out = nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, scale=scaling,
-        is_causal=causal and attention_mask is None and query.shape[2] > 1, enable_gqa=True,
+        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
     )
     return out.transpose(1, 2).contiguous(), None
 
@@ -480,6 +481,57 @@ def _linear_on_layouts(module: nn.Linear, min_rows: int, x: torch.Tensor) -> tor
     if x.numel() < min_rows * x.shape[-1]:  # fewer rows: `nn.Linear`'s own call
         return nn.functional.linear(x, module.weight, module.bias)
     return MATMUL_LAYOUTS.linear(x, module.weight, module.bias)
+
+
+GQA_SDPA = "d3d_gqa_sdpa"
+"""The name under which `target_gqa_attention` registers `gqa_sdpa_attention_forward` with transformers."""
+
+
+@contextlib.contextmanager
+def target_gqa_attention(model: nn.Module):
+    r"""While open, a transformers `model` on CPU whose attention is `"sdpa"` with grouped-query attention runs its
+    attention on `gqa_sdpa_attention_forward` (registered with transformers' `AttentionInterface` and
+    `AttentionMaskInterface` as `GQA_SDPA`, with the `"sdpa"` mask function): its forwards of more than one row
+    outside autograd (D3D's verifications) no longer copy each layer's cached keys and values per query head, with
+    bit-identical outputs; everything else runs transformers' own `"sdpa"` function. D3D's own decoding loop opens
+    it around the target's forwards (d3d-hf issue 14). The model's `config._attn_implementation` is set to
+    `GQA_SDPA` while the context is open and restored when it closes, also on an exception. Other models, and
+    models whose config has sub-configs (e.g. multimodal ones), are left alone.
+
+    Args:
+        model (`nn.Module`): the target.
+
+    Yields:
+        `bool`: whether the attention was switched (CPU, `"sdpa"`, fewer key/value heads than query heads, a torch
+        with `enable_gqa`, a config without sub-configs).
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    parameter = next(iter(model.parameters()), None)
+    switch = (
+        _SDPA_HAS_ENABLE_GQA
+        and getattr(config, "_attn_implementation", None) == "sdpa"
+        and not getattr(config, "sub_configs", None)
+        and isinstance(heads, int)
+        and isinstance(kv_heads, int)
+        and kv_heads < heads
+        and parameter is not None
+        and parameter.device.type == "cpu"
+    )
+    if not switch:
+        yield False
+        return
+    AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention_forward)
+    AttentionMaskInterface.register(GQA_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    config._attn_implementation = GQA_SDPA
+    try:
+        yield True
+    finally:
+        config._attn_implementation = "sdpa"
 
 
 @contextlib.contextmanager
@@ -1476,6 +1528,7 @@ __all__ = [
     "causal_attention_mask",
     "draft_attention_mask",
     "gqa_sdpa_attention_forward",
+    "target_gqa_attention",
     "kernel_attention_interface",
     "packed_attention_mask",
     "packed_metadata",

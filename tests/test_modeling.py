@@ -64,9 +64,8 @@ def test_attention_implementations_agree(impl):
 def test_gqa_sdpa_equals_transformers_sdpa_without_copying_keys(dtype, groups, monkeypatch):
     """Outside autograd on CPU, more than one query row: SDPA runs on the key/value heads (no `repeat_kv` copy) and
     gives transformers' values bit for bit; one row, autograd and float masks go to transformers' function."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     from d3d_hf.modeling.modeling_d3d import gqa_sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = groups, False
@@ -123,8 +122,69 @@ def test_drafter_sdpa_pass_uses_gqa_attention_and_keeps_its_bits(monkeypatch):
         assert len(calls) == 7 * drafter.config.num_hidden_layers
         monkeypatch.setattr(modeling, "gqa_sdpa_attention_forward", modeling.ALL_ATTENTION_FUNCTIONS["sdpa"])
         want = passes()
-    for num_masks, (a, b) in enumerate(zip(got, want)):
+    for num_masks, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), num_masks
+
+
+def _forward_over_cache(target, ids, split):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(ids[:, :split], past_key_values=cache, use_cache=True)
+        return target(ids[:, split:], past_key_values=cache, use_cache=True).logits
+
+
+def test_target_gqa_attention_keeps_the_targets_bits_and_restores_its_config(monkeypatch):
+    """`target_gqa_attention`: a GQA target's multi-row forwards over a cache (verifications) run on
+    `gqa_sdpa_attention_forward` and give transformers' logits bit for bit; the config is restored, also after an
+    exception; eager attention, or no GQA, is left alone."""
+    import d3d_hf.modeling.modeling_d3d as modeling
+
+    target = tiny_target("llama")
+    assert target.config.num_key_value_heads < target.config.num_attention_heads
+    ids = random_prompt(14)
+    want = {rows: _forward_over_cache(target, ids, 14 - rows) for rows in (1, 2, 5)}
+    calls = []
+    ours = modeling.gqa_sdpa_attention_forward
+    monkeypatch.setattr(
+        modeling, "gqa_sdpa_attention_forward", lambda *a, **k: calls.append(a[1].shape[2]) or ours(*a, **k)
+    )
+    with modeling.target_gqa_attention(target) as switched:
+        assert switched and target.config._attn_implementation == modeling.GQA_SDPA
+        got = {rows: _forward_over_cache(target, ids, 14 - rows) for rows in (1, 2, 5)}
+    assert target.config._attn_implementation == "sdpa"
+    assert sorted(set(calls)) == [1, 2, 5, 9, 12, 13], "every forward ran on it"
+    for rows in want:
+        assert torch.equal(got[rows], want[rows]), rows
+    with pytest.raises(RuntimeError, match="inside"):
+        with modeling.target_gqa_attention(target):
+            raise RuntimeError("inside")
+    assert target.config._attn_implementation == "sdpa"
+    target.config._attn_implementation = "eager"
+    with modeling.target_gqa_attention(target) as switched:
+        assert not switched and target.config._attn_implementation == "eager"
+    target.config._attn_implementation, target.config.num_key_value_heads = "sdpa", target.config.num_attention_heads
+    with modeling.target_gqa_attention(target) as switched:
+        assert not switched and target.config._attn_implementation == "sdpa"
+
+
+def test_d3d_loop_verifies_on_gqa_attention_losslessly():
+    """D3D's own loop opens `target_gqa_attention` around the target's forwards (greedy output is the target's own);
+    transformers' assisted-generation loop does not."""
+    target = tiny_target("llama", seed=3)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    ids = random_prompt(8, seed=7)
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16)
+    from transformers import GenerationConfig
+
+    for loop, switched in (("d3d", True), ("transformers", False)):
+        config = GenerationConfig(do_sample=False, max_new_tokens=16, d3d_decoding_loop=loop, d3d_num_drafts=3)
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                              generation_config=config)
+        assert out.tolist() == ref.tolist(), loop
+        assert drafter.last_generation_stats.target_gqa_attention is switched, loop
+        assert target.config._attn_implementation == "sdpa"
 
 
 def test_forward_input_errors():

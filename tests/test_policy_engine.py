@@ -235,6 +235,23 @@ def test_a_disturbed_calibration_is_measured_again_and_a_stored_one_replaced(mon
     assert not results and policy.verify_curve(2) == pytest.approx(0.012)
 
 
+def test_calibration_key_follows_the_targets_attention(monkeypatch, tmp_path):
+    """The verify curve measured with the target on `gqa_sdpa_attention_forward` (D3D's loop) is another key than
+    with transformers' `"sdpa"` (e.g. a calibration made outside `target_gqa_attention`)."""
+    import d3d_hf.modeling.modeling_d3d as modeling
+
+    monkeypatch.setenv("D3D_HF_CACHE", str(tmp_path))
+    target = tiny_target("llama")
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    good = (CostCurve({1: 0.01, 2: 0.012, 16: 0.02}), CostCurve({1: 0.01, 16: 0.02}))
+    monkeypatch.setattr(calibration_d3d, "measure_cost_curves", lambda *a, **k: good)
+    _, plain = calibration_d3d.policy_for(target, drafter)
+    with modeling.target_gqa_attention(target) as switched:
+        _, gqa = calibration_d3d.policy_for(target, drafter)
+    assert switched and plain != gqa
+    assert calibration_d3d.policy_for(target, drafter)[1] == plain
+
+
 class DrafterEveryRound(DraftPolicy):
     """Drafts every round and records the timings each round hands back to be learned."""
 

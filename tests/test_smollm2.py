@@ -154,3 +154,23 @@ def test_shipped_drafter_fused_projections_on_smollm2(smollm2):
     assert out[0].tolist() == ref[0].tolist()
     assert drafter.model.fused_projections_bytes() > 100 * 2**20, "the fused copy was built and used"
     assert drafter.last_generation_stats.tau > 2.0
+
+
+def test_target_gqa_attention_verifications_are_bit_identical(smollm2):
+    """SmolLM2 (9 query / 3 key-value heads) under `target_gqa_attention`: verification forwards of 2-16 rows over a
+    cached prompt give transformers' logits bit for bit in float32."""
+    from d3d_hf.modeling.modeling_d3d import target_gqa_attention
+    from transformers import DynamicCache
+
+    model, tokenizer = smollm2
+    ids = encode_prompt(tokenizer, load_prompts("humaneval", limit=1)[0])
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :-16], past_key_values=cache, use_cache=True)
+        for rows in (2, 7, 16):
+            want = model(ids[:, -16:][:, :rows], past_key_values=cache, use_cache=True).logits
+            cache.crop(-rows)
+            with target_gqa_attention(model) as switched:
+                got = model(ids[:, -16:][:, :rows], past_key_values=cache, use_cache=True).logits
+            cache.crop(-rows)
+            assert switched and torch.equal(got, want), rows
