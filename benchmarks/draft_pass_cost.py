@@ -18,6 +18,7 @@ import argparse
 import random
 import statistics
 import time
+from contextlib import nullcontext
 
 import d3d_hf.modeling.modeling_d3d as modeling
 import torch
@@ -39,6 +40,7 @@ HEADERS = {
     "per-projection": "per-projection adapters",
     "no adapters": "no adapters (the target's layers)",
     "repeat-kv attention": "default, but transformers' SDPA attention (keys/values copied per query head)",
+    "target gqa": "the target on copy-free GQA attention (`target_gqa_attention`, D3D's loop)",
 }
 
 
@@ -57,6 +59,12 @@ def main() -> None:
         help="also time the default pass on transformers' SDPA function, which copies the keys/values per query head "
         "(the drafter's attention before `gqa_sdpa_attention_forward`)",
     )
+    parser.add_argument(
+        "--target-gqa-attention",
+        action="store_true",
+        help="also time the target's forward under `target_gqa_attention` (what D3D's own loop verifies on); "
+        "ratios stay against the target's plain forward",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, _ = load_target("smollm2-135m-instruct", dtype=args.dtype)
@@ -69,6 +77,8 @@ def main() -> None:
         variants = variants[:2]
     if args.repeat_kv_attention:
         variants = (*variants, "repeat-kv attention")
+    if args.target_gqa_attention:
+        variants = (*variants, "target gqa")
     times = {(v, q): [] for v in variants for q in ROWS}
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -80,8 +90,9 @@ def main() -> None:
                 rows = torch.randint(0, 49152, (1, q), generator=g)
                 for variant in random.Random(rep * 100 + q).sample(variants, len(variants)):  # no fixed order
                     start = time.perf_counter()
-                    if variant == "target":
-                        target(input_ids=rows, cache=target_cache, use_cache=True)
+                    if variant in ("target", "target gqa"):
+                        with modeling.target_gqa_attention(target) if variant == "target gqa" else nullcontext():
+                            target(input_ids=rows, cache=target_cache, use_cache=True)
                         elapsed = time.perf_counter() - start
                         target_cache.crop(-q)
                     else:
@@ -112,7 +123,8 @@ def main() -> None:
         f"median of {args.repeats}; CPU {cpu.get('model')} ({', '.join(k for k, v in cpu.items() if v is True)}). "
         f"Command: `python benchmarks/draft_pass_cost.py --dtype {args.dtype} --threads {args.threads} "
         f"--repeats {args.repeats} --drafter {args.drafter}{' --only-default' if args.only_default else ''}"
-        f"{' --repeat-kv-attention' if args.repeat_kv_attention else ''}`",
+        f"{' --repeat-kv-attention' if args.repeat_kv_attention else ''}"
+        f"{' --target-gqa-attention' if args.target_gqa_attention else ''}`",
         "",
         "| rows | target ms | " + " | ".join(HEADERS[v] for v in variants[1:]) + " |",
         "|---|---|" + "---|" * (len(variants) - 1),
