@@ -509,6 +509,9 @@ def target_gqa_attention(model: nn.Module):
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) == GQA_SDPA:  # opened around this one: the outer one restores
+        yield True
+        return
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     parameter = next(iter(model.parameters()), None)
@@ -1528,8 +1531,8 @@ __all__ = [
     "causal_attention_mask",
     "draft_attention_mask",
     "gqa_sdpa_attention_forward",
-    "target_gqa_attention",
     "kernel_attention_interface",
     "packed_attention_mask",
     "packed_metadata",
+    "target_gqa_attention",
 ]

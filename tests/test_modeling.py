@@ -152,6 +152,9 @@ def test_target_gqa_attention_keeps_the_targets_bits_and_restores_its_config(mon
     )
     with modeling.target_gqa_attention(target) as switched:
         assert switched and target.config._attn_implementation == modeling.GQA_SDPA
+        with modeling.target_gqa_attention(target) as inner:  # nested: still on, and the outer one restores
+            assert inner
+        assert target.config._attn_implementation == modeling.GQA_SDPA
         got = {rows: _forward_over_cache(target, ids, 14 - rows) for rows in (1, 2, 5)}
     assert target.config._attn_implementation == "sdpa"
     assert sorted(set(calls)) == [1, 2, 5, 9, 12, 13], "every forward ran on it"
