@@ -2,14 +2,18 @@
 
 from .configuration_d3d import D3DConfig
 from .drafting_d3d import D3DCache, D3DPackedDraft, register_packed_attention_kernel
-from .generation_d3d import D3DCandidateGenerator, D3DGenerationStats, install_generation_hook, remove_generation_hook
+from .generation_d3d import D3DCandidateGenerator
+from .hooks_d3d import install_generation_hook, remove_generation_hook
 from .modeling_d3d import D3DForDiffusionDrafting, D3DModel, D3DPreTrainedModel
+from .options_d3d import D3DGenerationOptions
+from .stats_d3d import D3DGenerationStats
 
 __all__ = [
     "D3DCache",
     "D3DCandidateGenerator",
     "D3DConfig",
     "D3DForDiffusionDrafting",
+    "D3DGenerationOptions",
     "D3DGenerationStats",
     "D3DModel",
     "D3DPackedDraft",

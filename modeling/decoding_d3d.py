@@ -26,6 +26,7 @@ import torch
 from transformers.generation import GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .options_d3d import D3DGenerationOptions
 from .tree_d3d import (
     check_tree_cache,
     greedy_tree_path,
@@ -166,14 +167,6 @@ def d3d_assisted_decoding(
         assistant_tokenizer=assistant_tokenizer,
         model_kwargs=model_kwargs,
     )
-    generator.stats.decoding_loop = "d3d"
-    if generator.can_share_target_cache(target) and all(
-        type(layer).__name__ == "DynamicLayer" for layer in getattr(cache, "layers", [None])
-    ):
-        generator.share_target_cache(cache)
-    tree_mode = generator.tree_budget is not None
-    if tree_mode and getattr(cache, "layers", None):
-        check_tree_cache(cache)
     keep_logits = target._supports_logits_to_keep() if hasattr(target, "_supports_logits_to_keep") else False
     do_sample = bool(generation_config.do_sample)
     return_dict = bool(generation_config.return_dict_in_generate)
@@ -183,9 +176,12 @@ def d3d_assisted_decoding(
     eos_ids = set() if eos is None else {int(t) for t in eos.flatten().tolist()}
     compute_dtype = next(target.parameters()).dtype
     device = target.device
-    # the target's copy-free GQA attention, and its matmul layouts under `d3d_target_matmul_layouts`
-    with generator.target_layouts(target) as generator.stats.target_gqa_attention:
-        unfinished = True
+    # the target's copy-free GQA attention, its matmul layouts under `d3d_target_matmul_layouts`, the shared cache
+    with generator.own_loop(target, cache) as tree_rounds:
+        tree_mode = tree_rounds is not None
+        if tree_mode and getattr(cache, "layers", None):
+            check_tree_cache(cache)
+        unfinished, first_round = True, True
         while unfinished:
             cur_len = input_ids.shape[1]
             past = cache.get_seq_length()
@@ -193,7 +189,7 @@ def d3d_assisted_decoding(
             num_committed = committed.shape[1]
             tree = None
             if tree_mode:
-                tree = generator.get_tree(input_ids)
+                tree = tree_rounds.get_tree(input_ids)
                 nodes = torch.tensor([tree.tokens], dtype=input_ids.dtype, device=device)
                 new_ids = torch.cat([committed, nodes], dim=1) if len(tree) else committed
                 num_candidates = len(tree)
@@ -219,7 +215,6 @@ def d3d_assisted_decoding(
                 def history(row: int, candidates=candidate_ids, cur_len=cur_len) -> torch.LongTensor:
                     return candidates[:, : cur_len + row]
             forward_kwargs = {"logits_to_keep": num_candidates + 1} if keep_logits else {}
-            first_round = generator.stats.rounds == 0
             outputs = target(
                 input_ids=new_ids,
                 attention_mask=attention_mask,
@@ -236,6 +231,7 @@ def d3d_assisted_decoding(
                     )
                 if tree_mode:
                     check_tree_cache(cache)
+                first_round = False
             new_logits = outputs.logits[:, -num_candidates - 1 :].to(dtype=torch.float32, device=input_ids.device)
             raw = new_logits.clone() if raw_logits is not None else None
             if len(logits_processor) > 0:  # each row on its own history, built only when a processor needs it
@@ -275,7 +271,7 @@ def d3d_assisted_decoding(
                 streamer.put(valid.cpu())
             if tree_mode:
                 keep_cache_path(cache, past + num_committed, path[:n_matches])
-                generator.update_tree_strategy(input_ids, tree, path[:n_matches])
+                tree_rounds.update_tree_strategy(input_ids, tree, path[:n_matches])
             else:
                 cache.crop(-(num_candidates - n_matches))  # transformers' convention: a negative count is removed
                 generator.update_candidate_strategy(input_ids, new_logits, n_matches)
@@ -306,7 +302,8 @@ def install_decoding_hook() -> None:
     def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs):
         assistant = kwargs.get("assistant_model")
         if getattr(assistant, "build_candidate_generator", None) is not None:
-            loop, budget = _loop_options(generation_config, assistant)
+            options = D3DGenerationOptions.resolve(generation_config, assistant)
+            loop, budget = options.decoding_loop, options.tree_budget
             if loop != "transformers":
                 model_kwargs = {k: v for k, v in kwargs.items() if k not in _LOOP_ARGUMENTS}
                 blocker = own_loop_blocker(self, generation_config, bool(kwargs.get("synced_gpus")), model_kwargs)
@@ -329,17 +326,6 @@ def install_decoding_hook() -> None:
 
 #: `_assisted_decoding` arguments that are not model keyword arguments
 _LOOP_ARGUMENTS = frozenset({"synced_gpus", "streamer", "assistant_model", "assistant_tokenizer", "tokenizer"})
-
-
-def _loop_options(generation_config, drafter) -> tuple[str, Any]:
-    """`d3d_decoding_loop` and `d3d_tree_budget` of a call (the call's config first, then the drafter's)."""
-    values = []
-    for name, default in (("d3d_decoding_loop", "d3d"), ("d3d_tree_budget", None)):
-        value = getattr(generation_config, name, None)
-        if value is None:
-            value = getattr(getattr(drafter, "generation_config", None), name, None)
-        values.append(default if value is None else value)
-    return values[0], values[1]
 
 
 def remove_decoding_hook() -> None:

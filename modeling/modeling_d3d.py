@@ -41,7 +41,8 @@ from .drafting_d3d import (
     packed_metadata,
     resolve_packed_attention_kernel,
 )
-from .generation_d3d import D3DCandidateGenerator, install_generation_hook
+from .generation_d3d import D3DCandidateGenerator
+from .hooks_d3d import install_generation_hook
 from .initialization_d3d import from_autoregressive
 
 
@@ -1489,7 +1490,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
 
     def build_candidate_generator(self, target=None, **kwargs) -> D3DCandidateGenerator:
         """Called by the patched `GenerationMixin._get_candidate_generator` of the target (see
-        `generation_d3d.install_generation_hook`): returns the `D3DCandidateGenerator` for one `generate` call
+        `hooks_d3d.install_generation_hook`): returns the `D3DCandidateGenerator` for one `generate` call
         (attaching the target's weights first for a `shares_target_weights` drafter).
 
         Raises:

@@ -107,7 +107,6 @@ def _engine_defaults(monkeypatch, tmp_path_factory):
     test asks for the cost-aware engine (`d3d_num_drafts="adaptive"`, tests/test_policy_engine.py): most tests check
     the drafting machinery (masks, caches, async hits, processors, stop strings), which the adaptive engine would
     often skip on tiny models whose drafter costs as much as the target."""
-    from d3d_hf.modeling import generation_d3d
+    from d3d_hf.modeling.options_d3d import D3DGenerationOptions
 
     monkeypatch.setenv("D3D_HF_CACHE", str(tmp_path_factory.getbasetemp() / "d3d_hf_cache"))
-    monkeypatch.setitem(generation_d3d.POLICY_OPTIONS, "d3d_num_drafts", "full")

@@ -8,7 +8,7 @@ import torch
 import transformers
 import yaml
 from _tiny import tiny_target, word_tokenizer
-from d3d_hf.modeling.generation_d3d import SUPPORTED_TRANSFORMERS
+from d3d_hf.modeling.hooks_d3d import SUPPORTED_TRANSFORMERS
 from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.errors import EntryNotFoundError
 from transformers import AutoModel

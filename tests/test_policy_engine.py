@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from _tiny import chi_square_p_value, random_prompt, tiny_target
-from d3d_hf.modeling import calibration_d3d, generation_d3d
+from d3d_hf.modeling import calibration_d3d
+from d3d_hf.modeling.options_d3d import D3DGenerationOptions
 from d3d_hf.modeling.estimates_d3d import CostCurve
 from d3d_hf.modeling.policy_d3d import DraftPolicy, RoundDecision
 from transformers import GenerationConfig
@@ -18,7 +19,7 @@ from d3d_hf import D3DForDiffusionDrafting
 @pytest.fixture(autouse=True)
 def _adaptive(monkeypatch):
     """These tests are about the adaptive engine (conftest makes full blocks the default elsewhere)."""
-    monkeypatch.setitem(generation_d3d.POLICY_OPTIONS, "d3d_num_drafts", "adaptive")
+    monkeypatch.setattr(D3DGenerationOptions.__dataclass_fields__["num_drafts"], "default", "adaptive")  # TEMP-PIN
     monkeypatch.setattr(calibration_d3d, "_POLICIES", {})
 
 

@@ -57,8 +57,8 @@ import torch
 from tqdm.auto import tqdm
 
 from .modeling.calibration_d3d import cpu_model
-from .modeling.generation_d3d import POLICY_OPTIONS
-from .modeling.runtime_d3d import RoundClock, default_worker_threads
+from .modeling.options_d3d import D3DGenerationOptions
+from .modeling.runtime_d3d import RoundClock
 from .prompts import Prompt, encode_prompt
 from .utils import library_versions
 
@@ -232,15 +232,20 @@ def _assistant_settings(resources: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _d3d_settings(resources: Mapping[str, Any]) -> dict[str, Any]:
+    """A D3D method's recorded settings: the drafter, and the options and overrides of its last call as the
+    generator resolved them (`D3DGenerationOptions`, `D3DGenerationStats.overrides`)."""
     drafter = resources["drafter"]
     stats = getattr(drafter, "last_generation_stats", None)
-    lookup = getattr(drafter.generation_config, "d3d_prompt_lookup", None)
+    options = getattr(stats, "options", None) or D3DGenerationOptions.resolve(None, drafter)
     return {
         "drafter": resources.get("drafter_name"),
         "block_size": drafter.config.block_size,
         "drafter_layers": drafter.config.num_hidden_layers,
         "num_drafts": getattr(stats, "policy", None),
-        "prompt_lookup": POLICY_OPTIONS["d3d_prompt_lookup"] if lookup is None else lookup,
+        "prompt_lookup": options.prompt_lookup,
+        "asynchronous": getattr(stats, "asynchronous", None),
+        "options": options.to_dict(),
+        "overrides": dict(getattr(stats, "overrides", {}) or {}),
         # the cost curves the adaptive engine decided with, as they stood at the last call's start (ms by rows)
         "cost_curves_ms": getattr(stats, "cost_curves_ms", None),
     }
@@ -309,21 +314,24 @@ register_method(
 )
 
 
-def _policy_options(resources: Mapping[str, Any]) -> dict[str, Any]:
-    """`d3d_num_drafts` from the resources (`--num-drafts`), when given: "adaptive", "full" or a number."""
-    value = resources.get("num_drafts")
-    if value is None:
-        return {}
-    return {"d3d_num_drafts": int(value) if str(value).isdigit() else str(value)}
+#: the options each D3D method takes from the resources (the command line's flags, by field name)
+_METHOD_OPTIONS = {
+    "d3d": ("num_drafts", "prompt_lookup"),
+    "d3d-async": ("num_drafts", "num_hypotheses", "reuse_on_miss", "worker_threads"),
+    "d3d-tree": ("num_drafts", "prompt_lookup", "tree_budget", "tree_branching"),
+}
+
+
+def _given_options(resources: Mapping[str, Any], method: str) -> dict[str, Any]:
+    """`{generate name: value}` of the declared options that `method` takes and the resources give."""
+    names = {f.name: f.metadata["option"] for f in D3DGenerationOptions.option_fields()}
+    return {
+        names[name]: resources[name] for name in _METHOD_OPTIONS[method] if resources.get(name) is not None
+    }
 
 
 def _d3d_kwargs(resources: Mapping[str, Any]) -> dict[str, Any]:
-    from transformers import GenerationConfig
-
-    options = _policy_options(resources)
-    if not options:
-        return {"assistant_model": resources["drafter"]}
-    return {"assistant_model": resources["drafter"], "generation_config": GenerationConfig(**options)}
+    return _d3d_kwargs_with(resources)
 
 
 def _tree_budget(resources: Mapping[str, Any]) -> int | str:
@@ -332,55 +340,35 @@ def _tree_budget(resources: Mapping[str, Any]) -> int | str:
     return int(value) if str(value).isdigit() else str(value)
 
 
-def _d3d_kwargs_with(resources: Mapping[str, Any], **options: Any) -> dict[str, Any]:
-    """`generate` arguments of a D3D method: the drafter and a `GenerationConfig` of the policy options (`--num-drafts`)
-    plus `options`."""
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(**_policy_options(resources), **options)
-    return {"assistant_model": resources["drafter"], "generation_config": config}
+def _d3d_kwargs_with(resources: Mapping[str, Any], method: str = "d3d", **options: Any) -> dict[str, Any]:
+    """`generate` arguments of a D3D method: the drafter and the options the method takes from the resources,
+    plus `options`, as keyword arguments of `generate` (the hook moves them into the call's config)."""
+    return {"assistant_model": resources["drafter"], **_given_options(resources, method), **options}
 
 
 def _d3d_tree_kwargs(resources: Mapping[str, Any]) -> dict[str, Any]:
-    return _d3d_kwargs_with(resources, d3d_tree_budget=_tree_budget(resources))
+    return _d3d_kwargs_with(resources, "d3d-tree", d3d_tree_budget=_tree_budget(resources))
 
 
 def _d3d_tree_settings(resources: Mapping[str, Any]) -> dict[str, Any]:
     return {**_d3d_settings(resources), "tree_budget": _tree_budget(resources)}
 
 
-def _d3d_async_options(resources: Mapping[str, Any]) -> dict[str, Any]:
-    block_size = resources["drafter"].config.block_size
-    hypotheses = int(resources.get("num_hypotheses") or min(4, block_size))
-    return {
-        **_policy_options(resources),
-        "d3d_async": True,
-        "d3d_num_hypotheses": hypotheses,
-        "d3d_reuse_on_miss": bool(resources.get("reuse_on_miss")),
-        "d3d_worker_threads": resources.get("worker_threads"),
-    }
-
-
 def _d3d_async_settings(resources: Mapping[str, Any]) -> dict[str, Any]:
-    options = _d3d_async_options(resources)
+    settings = _d3d_settings(resources)
+    options = settings["options"]
+    stats = getattr(resources["drafter"], "last_generation_stats", None)
     return {
-        **_d3d_settings(resources),
+        **settings,
         "hypotheses": options["d3d_num_hypotheses"],
         "reuse_on_miss": options["d3d_reuse_on_miss"],
-        # None: the engine's default (CPU only)
-        "worker_threads": options["d3d_worker_threads"] or default_worker_threads(),
+        "worker_threads": getattr(stats, "worker_threads", None) or options["d3d_worker_threads"],
     }
 
 
 def _d3d_async_kwargs(resources: Mapping[str, Any]) -> dict[str, Any]:
-    from transformers import GenerationConfig
-
-    # the options travel in a GenerationConfig (generate rejects unknown keyword arguments); the harness adds
-    # max_new_tokens, greedy decoding and the attention mask
-    return {
-        "assistant_model": resources["drafter"],
-        "generation_config": GenerationConfig(**_d3d_async_options(resources)),
-    }
+    # `d3d_async=True`: the packed pass runs on every device (on CPU with one warning per process)
+    return _d3d_kwargs_with(resources, "d3d-async", d3d_async=True)
 
 
 register_method(

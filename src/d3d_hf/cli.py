@@ -13,18 +13,47 @@ from pathlib import Path
 import torch
 
 
-def _num_drafts(value: str) -> str:
-    """`--num-drafts`: 'adaptive', 'full' or a whole number >= 0 (checked against the block size when decoding)."""
-    if value in ("adaptive", "full") or value.isdigit():
-        return value
-    raise argparse.ArgumentTypeError(f"must be 'adaptive', 'full' or a whole number >= 0, got {value!r}")
+#: the bench methods each declared generation option applies to (the others ignore it; a flag for none of the
+#: chosen methods is refused)
+OPTION_METHODS = {
+    "num_drafts": ("d3d", "d3d-async", "d3d-tree"),
+    "prompt_lookup": ("d3d", "d3d-tree"),
+    "asynchronous": (),
+    "num_hypotheses": ("d3d-async",),
+    "reuse_on_miss": ("d3d-async",),
+    "worker_threads": ("d3d-async",),
+    "tree_budget": ("d3d-tree",),
+    "tree_branching": ("d3d-tree",),
+}
 
 
-def _tree_budget(value: str) -> str:
-    """`--tree-budget`: 'adaptive' or a whole number of nodes >= 1."""
-    if value == "adaptive" or (value.isdigit() and int(value) >= 1):
-        return value
-    raise argparse.ArgumentTypeError(f"must be 'adaptive' or a whole number of nodes >= 1, got {value!r}")
+def option_flag(field) -> str:
+    """The command-line flag of a declared generation option: `d3d_num_drafts` -> `--num-drafts`."""
+    return "--" + field.metadata["option"].removeprefix("d3d_").replace("_", "-")
+
+
+def add_generation_option_arguments(parser) -> None:
+    """One flag per user option of `D3DGenerationOptions` (the declaration's doc and default as help; booleans as
+    `--flag` / `--no-flag`); the values are checked when the options are resolved. Options no bench method takes
+    (`d3d_async`: the `d3d-async` method sets it) get no flag."""
+    from .modeling.options_d3d import D3DGenerationOptions, parse_option_text
+
+    for field in D3DGenerationOptions.option_fields(internal=False):
+        methods = OPTION_METHODS.get(field.name)
+        if not methods:
+            continue
+        meta = field.metadata
+        text = f"{', '.join(methods)}: {meta['doc']} Accepts {meta['accepts']} (default {meta['default_doc']})."
+        text = text.replace("%", "%%")
+        if field.metadata["check"].__name__ == "_boolean":
+            parser.add_argument(option_flag(field), dest=field.name, action=argparse.BooleanOptionalAction, help=text)
+        else:
+            parser.add_argument(option_flag(field), dest=field.name, type=parse_option_text, default=None, help=text)
+
+
+def given_generation_options(args) -> dict[str, object]:
+    """`{field name: value}` of the generation-option flags given on the command line."""
+    return {name: getattr(args, name) for name in OPTION_METHODS if getattr(args, name, None) is not None}
 
 
 def _int_at_least(low: int, words: str):
@@ -130,37 +159,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
     p.add_argument("--methods", default="target,d3d", help="comma-separated: target,pld,ar-assist,d3d,d3d-async")
     p.add_argument("--block-size", type=_positive_int, default=None, help="override the drafter's block size")
-    p.add_argument(
-        "--num-hypotheses",
-        type=_positive_int,
-        default=None,
-        help="d3d-async: successor blocks per packed pass, 1..block size (default min(4, block size))",
-    )
-    p.add_argument(
-        "--reuse-on-miss",
-        action="store_true",
-        help="d3d-async: on a wrong bonus guess, still use the block drafted for the real acceptance length",
-    )
-    p.add_argument(
-        "--worker-threads",
-        type=_positive_int,
-        default=None,
-        help="d3d-async on CPU: torch threads of the packed-pass worker (default half of --threads, at least 1)",
-    )
-    p.add_argument(
-        "--num-drafts",
-        type=_num_drafts,
-        default=None,
-        help="d3d, d3d-async: drafts per round: 'adaptive' (the default: the cost-aware engine), 'full' (block size - 1"
-        " every round, the engine before the policy) or a number",
-    )
-    p.add_argument(
-        "--tree-budget",
-        type=_tree_budget,
-        default="16",
-        help="d3d-tree: most draft-tree nodes verified per round (default 16), or 'adaptive' (chosen per round from "
-        "the verify cost curve, at most the block size)",
-    )
+    add_generation_option_arguments(p)
     p.add_argument("--prompt-lookup-num-tokens", type=_positive_int, default=10, help="pld: tokens per draft")
     p.add_argument("--max-matching-ngram-size", type=_positive_int, default=2, help="pld: longest n-gram matched")
     p.add_argument(
@@ -268,6 +267,25 @@ def _init_drafter(args) -> int:
     return 0
 
 
+def _check_option_values(args) -> None:
+    """Checks the generation-option flags' values that do not depend on the drafter (types, words, lower bounds),
+    by the declaration's own checks, with a block as large as any drafter's context could hold.
+
+    Raises:
+        ValueError: naming the flag and what it accepts.
+    """
+    from .modeling.options_d3d import D3DGenerationOptions
+
+    fields = {f.name: f for f in D3DGenerationOptions.option_fields()}
+    for name, value in given_generation_options(args).items():
+        field = fields[name]
+        try:
+            D3DGenerationOptions.resolve(block_size=2**31 - 1, **{field.metadata["option"]: value})
+        except ValueError:
+            accepts = field.metadata["accepts"]
+            raise ValueError(f"{option_flag(field)} must be {accepts}, got {value!r}") from None
+
+
 def _check_drafter_options(args) -> None:
     """Checks the options that depend on the drafter (its block size, its layers) against its config alone, before
     any model loads: `--block-size` (against the drafter's context), `--num-drafts`, `--num-hypotheses`,
@@ -279,6 +297,8 @@ def _check_drafter_options(args) -> None:
     num_drafts = getattr(args, "num_drafts", None)
     hypotheses = getattr(args, "num_hypotheses", None)
     workers = getattr(args, "worker_threads", None)
+    if args.command == "bench":
+        _check_option_values(args)
     if workers is not None:
         most = max(os.cpu_count() or 1, torch.get_num_threads())
         if workers > most:
@@ -424,14 +444,16 @@ def _bench(args) -> int:
     unknown = unknown_methods(methods)
     if unknown:
         raise ValueError(f"unknown --methods {unknown}; choose from {list(METHODS)}")
-    async_options = {
-        "--num-hypotheses": args.num_hypotheses,
-        "--reuse-on-miss": args.reuse_on_miss,
-        "--worker-threads": args.worker_threads,
-    }
-    unused = [name for name, value in async_options.items() if value not in (None, False)]
-    if unused and "d3d-async" not in methods:
-        raise ValueError(f"{', '.join(unused)} only apply to method d3d-async: add it to --methods or drop them")
+    from .modeling.options_d3d import D3DGenerationOptions
+
+    fields = {f.name: f for f in D3DGenerationOptions.option_fields()}
+    unused = {}
+    for name in given_generation_options(args):
+        if not set(OPTION_METHODS[name]) & set(methods):
+            unused.setdefault(OPTION_METHODS[name], []).append(option_flag(fields[name]))
+    for applies, flags in unused.items():
+        which = "method " + applies[0] if len(applies) == 1 else "methods " + ", ".join(applies)
+        raise ValueError(f"{', '.join(flags)} only apply to {which}: add it to --methods or drop them")
     given = {"drafter": args.drafter or None, "assistant": args.assistant or None}  # what the flags can give
     missing = missing_resource(methods, given)
     if missing is not None:
@@ -488,11 +510,7 @@ def _bench(args) -> int:
         resources={
             "drafter_name": args.drafter,
             "assistant_name": args.assistant,
-            "num_hypotheses": args.num_hypotheses,
-            "reuse_on_miss": args.reuse_on_miss,
-            "worker_threads": args.worker_threads,
-            "num_drafts": args.num_drafts,
-            "tree_budget": args.tree_budget,
+            **given_generation_options(args),
         },
     )
     result["settings"] = {

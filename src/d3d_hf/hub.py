@@ -3,7 +3,7 @@
 What a drafter folder holds (written by `drafter.save_pretrained(path, tokenizer=tok)`):
 
 - `model.safetensors` (or shards + index) and `config.json` with `auto_map` (transformers);
-- the remote-code bundle `configuration_d3d.py`, `modeling_d3d.py`, `generation_d3d.py` (transformers copies them
+- the remote-code bundle `configuration_d3d.py`, `modeling_d3d.py`, `generation_d3d.py` and their siblings (transformers copies them
   because the classes are registered with `register_for_auto_class`);
 - tokenizer files when a tokenizer is given;
 - `README.md`, the model card rendered from `hub_cards/drafter_card.md.jinja` by `render_model_card`, and
@@ -397,7 +397,7 @@ def render_model_card(
     import jinja2
     from huggingface_hub import ModelCardData
 
-    from .modeling.generation_d3d import SUPPORTED_TRANSFORMERS
+    from .modeling.hooks_d3d import SUPPORTED_TRANSFORMERS
 
     config = getattr(drafter_or_config, "config", drafter_or_config)
     model = drafter_or_config if hasattr(drafter_or_config, "config") else None

@@ -1,0 +1,492 @@
+"""The one declaration of D3D's generation options (`d3d_*`), their checks and how a call resolves them.
+
+Part of the self-contained remote-code bundle: imports only the standard library, torch and the public transformers
+API. Every option is a field of `D3DGenerationOptions` whose metadata holds its `generate` name, its default, the
+values it accepts, a one-line doc and whether it is a user knob or internal (an ablation or experiment switch that
+tests and benchmarks set; README lists only the knobs). The candidate generator validates from it, the bench and the
+CLI read their flags and recorded settings from it, and `options_markdown_table` renders the README's table.
+
+A call's options come, highest priority first, from `generate`'s keyword arguments (`d3d_tree_budget=16`, moved into
+the call's `GenerationConfig` by the hook), the `GenerationConfig` passed to `generate`, and
+`drafter.generation_config` (as transformers reads `num_assistant_tokens` from the assistant). A `d3d_*` name that is
+not an option is refused with the nearest option's name; transformers' own assisted-generation options that a D3D
+drafter does not use are mapped (`num_assistant_tokens`) or refused with the D3D option to use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .runtime_d3d import default_worker_threads
+
+PREFIX = "d3d_"
+
+
+def _whole_number(value: Any) -> int | None:
+    """`value` as an `int` when it is a whole number (an `int`, or a float such as `2.0`; never a `bool`), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+class _Invalid(ValueError):
+    """Raised by a check; `resolve` turns it into a `ValueError` that names the option and what it accepts."""
+
+
+def _boolean(value: Any, block_size: int) -> bool:
+    if not isinstance(value, bool):
+        raise _Invalid
+    return value
+
+
+def _num_drafts(value: Any, block_size: int) -> int | str:
+    if value in ("adaptive", "full"):
+        return value
+    number = _whole_number(value)
+    if number is None or not 0 <= number <= block_size - 1:
+        raise _Invalid
+    return number
+
+
+def _asynchronous(value: Any, block_size: int) -> bool | str:
+    if value == "auto" or isinstance(value, bool):
+        return value
+    raise _Invalid
+
+
+def _num_hypotheses(value: Any, block_size: int) -> int:
+    number = _whole_number(value)
+    if number is None or not 1 <= number <= block_size:
+        raise _Invalid
+    return number
+
+
+def _most_worker_threads() -> int:
+    return max(os.cpu_count() or 1, torch.get_num_threads())
+
+
+def _worker_threads(value: Any, block_size: int) -> int:
+    number = _whole_number(value)
+    if number is None or not 1 <= number <= _most_worker_threads():
+        raise _Invalid
+    return number
+
+
+def _tree_budget(value: Any, block_size: int) -> int | str:
+    if value == "adaptive":
+        return value
+    number = _whole_number(value)
+    if number is None or number < 1:
+        raise _Invalid
+    return number
+
+
+def _positive(value: Any, block_size: int) -> int:
+    number = _whole_number(value)
+    if number is None or number < 1:
+        raise _Invalid
+    return number
+
+
+def _decoding_loop(value: Any, block_size: int) -> str:
+    if value not in ("d3d", "transformers"):
+        raise _Invalid
+    return value
+
+
+def _option(
+    name: str,
+    default: Any,
+    accepts: str,
+    doc: str,
+    check: Callable[[Any, int], Any],
+    internal: bool = False,
+    default_doc: str | None = None,
+) -> Any:
+    """A `D3DGenerationOptions` field: `default` is the value when no source sets the option (`None` where the
+    default depends on the call: `default_doc` says on what)."""
+    metadata = {
+        "option": PREFIX + name,
+        "accepts": accepts,
+        "doc": doc,
+        "check": check,
+        "internal": internal,
+        "default_doc": default_doc if default_doc is not None else repr(default),
+    }
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class D3DGenerationOptions:
+    """The `d3d_*` options of one `generate` call with a D3D drafter, checked and with defaults filled in.
+
+    Build one with `D3DGenerationOptions.resolve(generation_config, drafter)`; a field's metadata is its declaration
+    (`option_fields()`). Fields (the `generate` name is `d3d_` + the field name):
+
+    Attributes:
+        num_drafts (`int` or `str`, default `"adaptive"`): drafts sent per round. `"adaptive"`: the cost-aware engine
+            chooses per round between a plain target step, a prompt-lookup round and a draft pass of `k` drafts, by
+            expected tokens per second on the machine's measured cost curves; a whole number in `[0, block_size -
+            1]`: that many every round (as far as the remaining length allows); `"full"`: `block_size - 1`.
+        prompt_lookup (`bool`, default `True`): n-gram matches in the prompt and the generated text as a free
+            candidate source (adaptive engine only).
+        asynchronous (`bool` or `"auto"`, default `"auto"`): packed successor drafting during verification (arXiv
+            2611.06425). `"auto"`: on where the drafter runs on CUDA (the pass overlaps on a side stream), off on
+            CPU (it shares the cores with verification, measured slower); `True` / `False`: always on / off.
+        num_hypotheses (`int` in `[1, block_size]`, default `min(4, block_size)`): successor blocks per packed pass.
+        reuse_on_miss (`bool`, default `False`): on a wrong bonus guess, still use the block drafted for the real
+            acceptance length (with the real bonus token).
+        worker_threads (`int` in `[1, max(CPU count, torch threads)]`, default half of torch's threads, at least 1):
+            intra-op threads of the CPU worker that runs the packed pass.
+        tree_budget (`int` >= 1 or `"adaptive"`, *optional*): verify a draft tree of at most this many nodes per
+            drafter round in D3D's own loop (`None`: chain verification; `"adaptive"`: the node count that maximises
+            expected tokens per second, at most the block size).
+        tree_branching (`int` >= 1, default 4): drafter candidates per tree depth.
+        decoding_loop (`str`, default `"d3d"`; internal): `"d3d"` (D3D's own loop) or `"transformers"`
+            (transformers' assisted-generation loop: the ablation of D3D's loop, chain verification only).
+        share_target_cache (`bool`, default `True`; internal): a drafter on the target's own first layers attends to
+            the target's cache instead of re-running committed tokens in its own (`False`: the ablation).
+        target_matmul_layouts (`bool`, default `False`; internal): the target's 2-32 row verification forwards on
+            the faster matmul layout of the machine (`fast_paths_d3d.target_matmul_layouts`; CPU experiment).
+        explicit (`frozenset[str]`): the fields some source set (the others are defaults).
+    """
+
+    num_drafts: int | str = _option(
+        "num_drafts",
+        "adaptive",
+        "'adaptive', 'full' or a whole number in [0, block_size - 1]",
+        "Drafts per round: `'adaptive'` lets the cost-aware engine choose per round (0 = a plain target step); a "
+        "number or `'full'` fixes the plan (reproducible round structure, ablations).",
+        _num_drafts,
+    )
+    prompt_lookup: bool = _option(
+        "prompt_lookup",
+        True,
+        "True or False",
+        "N-gram matches in the prompt and the output as free candidates (adaptive engine); `False` to measure the "
+        "drafter alone.",
+        _boolean,
+    )
+    asynchronous: bool | str = _option(
+        "async",
+        "auto",
+        "'auto', True or False",
+        "Packed successor drafting while the target verifies: `'auto'` = on CUDA only; `True` forces it (warns once "
+        "on CPU, where it measured slower).",
+        _asynchronous,
+    )
+    num_hypotheses: int | None = _option(
+        "num_hypotheses",
+        None,
+        "a whole number in [1, block_size]",
+        "Successor blocks drafted per packed pass (asynchronous): more raises the hit rate and the pass's cost.",
+        _num_hypotheses,
+        default_doc="min(4, block_size)",
+    )
+    reuse_on_miss: bool = _option(
+        "reuse_on_miss",
+        False,
+        "True or False",
+        "Asynchronous: on a wrong bonus guess, still use the block drafted for the real acceptance length.",
+        _boolean,
+    )
+    worker_threads: int | None = _option(
+        "worker_threads",
+        None,
+        "a whole number in [1, max(CPU count, torch threads)]",
+        "Asynchronous on CPU: torch threads of the packed-pass worker (it runs beside the verification).",
+        _worker_threads,
+        default_doc="half of torch's threads, at least 1",
+    )
+    tree_budget: int | str | None = _option(
+        "tree_budget",
+        None,
+        "None, 'adaptive' or a whole number of nodes >= 1",
+        "Verify a best-first draft tree of at most this many nodes per drafter round (`None`: one chain).",
+        _tree_budget,
+    )
+    tree_branching: int = _option(
+        "tree_branching",
+        4,
+        "a whole number >= 1",
+        "Tree verification: drafter candidates per depth.",
+        _positive,
+    )
+    decoding_loop: str = _option(
+        "decoding_loop",
+        "d3d",
+        "'d3d' or 'transformers'",
+        "Which loop verifies: D3D's own or transformers' assisted-generation loop (the ablation).",
+        _decoding_loop,
+        internal=True,
+    )
+    share_target_cache: bool = _option(
+        "share_target_cache",
+        True,
+        "True or False",
+        "A drafter on the target's first layers reads the target's cache (`False`: its own cache, the ablation).",
+        _boolean,
+        internal=True,
+    )
+    target_matmul_layouts: bool = _option(
+        "target_matmul_layouts",
+        False,
+        "True or False",
+        "The target's verification forwards on the machine's faster matmul layout (CPU experiment).",
+        _boolean,
+        internal=True,
+    )
+    explicit: frozenset[str] = field(default=frozenset(), compare=False)
+
+    @classmethod
+    def option_fields(cls, internal: bool | None = None) -> list[dataclasses.Field]:
+        """The declared options in table order (`internal=False`: user knobs only; `True`: internal only)."""
+        chosen = [f for f in dataclasses.fields(cls) if "option" in f.metadata]
+        return [f for f in chosen if internal is None or f.metadata["internal"] == internal]
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """The `generate` names of every option (`d3d_num_drafts`, ...)."""
+        return [f.metadata["option"] for f in cls.option_fields()]
+
+    @classmethod
+    def resolve(
+        cls, generation_config: Any = None, drafter: Any = None, block_size: int | None = None, **overrides: Any
+    ) -> D3DGenerationOptions:
+        """The options of one call, checked.
+
+        Args:
+            generation_config (`GenerationConfig`, *optional*): the call's config (`generate`'s keyword arguments
+                already in it).
+            drafter (`D3DForDiffusionDrafting`, *optional*): its `generation_config` gives the values the call does
+                not set, its `config.block_size` the ranges.
+            block_size (`int`, *optional*): the block size (default: the drafter's).
+            **overrides: option values by `generate` name (`d3d_num_drafts=3`), highest priority.
+
+        Returns:
+            `D3DGenerationOptions` with every default filled in (`num_hypotheses` and `worker_threads` resolved).
+
+        Raises:
+            ValueError: for a `d3d_*` name that is not an option (naming the nearest one), a value outside what the
+                option accepts, options that cannot be combined, or a transformers assisted-generation option that a
+                D3D drafter does not use (naming the D3D option to use).
+        """
+        if block_size is None:
+            block_size = int(drafter.config.block_size) if drafter is not None else 16
+        drafter_config = getattr(drafter, "generation_config", None)
+        for source in (overrides, generation_config, drafter_config):
+            check_option_names(source)
+        values, explicit = {}, set()
+        mapped = assisted_generation_options(generation_config, block_size)
+        for f in cls.option_fields():
+            name = f.metadata["option"]
+            value = overrides.get(name)
+            for source in (mapped, generation_config, drafter_config):
+                if value is None and source is not None:
+                    value = source.get(name) if isinstance(source, Mapping) else getattr(source, name, None)
+            if value is None:
+                values[f.name] = f.default
+                continue
+            try:
+                values[f.name] = f.metadata["check"](value, block_size)
+            except _Invalid:
+                accepts = f.metadata["accepts"].replace("block_size - 1", f"block_size - 1 = {block_size - 1}")
+                accepts = accepts.replace("block_size]", f"block_size = {block_size}]")
+                raise ValueError(f"`{name}` must be {accepts} (or None for the default), got {value!r}.") from None
+            explicit.add(f.name)
+        if values["num_hypotheses"] is None:
+            values["num_hypotheses"] = min(4, block_size)
+        if values["worker_threads"] is None:
+            values["worker_threads"] = default_worker_threads()
+        options = cls(**values, explicit=frozenset(explicit))
+        options._check_combinations()
+        return options
+
+    def is_explicit(self, name: str) -> bool:
+        """Whether some source set field `name` (rather than the default)."""
+        return name in self.explicit
+
+    def _check_combinations(self) -> None:
+        asynchronous = self.asynchronous is True
+        loop = self.decoding_loop
+        if self.target_matmul_layouts and loop == "transformers":
+            raise ValueError(
+                "`d3d_target_matmul_layouts` applies to D3D's own decoding loop: drop "
+                "`d3d_decoding_loop='transformers'` (or the option)."
+            )
+        if self.target_matmul_layouts and asynchronous:
+            raise ValueError(
+                "`d3d_target_matmul_layouts` times the target's matmuls, which asynchronous drafting would disturb on "
+                "the same cores: it cannot be combined with `d3d_async=True`. Set one of them to its default."
+            )
+        if self.tree_budget is not None and loop == "transformers":
+            raise ValueError(
+                "`d3d_tree_budget` needs D3D's own decoding loop: transformers' assisted-generation loop verifies one "
+                "chain. Drop `d3d_decoding_loop='transformers'` (or set `d3d_tree_budget=None`)."
+            )
+        if self.tree_budget is not None and asynchronous:
+            raise ValueError(
+                "Tree verification drafts synchronously: `d3d_tree_budget` cannot be combined with `d3d_async=True`. "
+                "Set one of them to its default."
+            )
+        if asynchronous and self.num_drafts == "adaptive" and self.is_explicit("num_drafts"):
+            raise ValueError(
+                "Asynchronous rounds draft a fixed number of tokens (the packed pass pre-drafts whole successor "
+                "blocks): `d3d_num_drafts='adaptive'` cannot be combined with `d3d_async=True`. Drop one of them, "
+                "or give `d3d_num_drafts` a number or 'full'."
+            )
+        if self.prompt_lookup and self.is_explicit("prompt_lookup") and self.num_drafts != "adaptive":
+            raise ValueError(
+                f"`d3d_prompt_lookup=True` is a candidate source of the adaptive engine, but `d3d_num_drafts="
+                f"{self.num_drafts!r}` fixes every round to drafter drafts. Drop one of them."
+            )
+        if self.prompt_lookup and self.is_explicit("prompt_lookup") and asynchronous:
+            raise ValueError(
+                "`d3d_prompt_lookup=True` cannot be combined with `d3d_async=True`: asynchronous rounds take their "
+                "candidates from the packed pass. Drop one of them."
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """`{generate name: value}` of every option, plus `"explicit"` (the names some source set), for JSON."""
+        out = {f.metadata["option"]: getattr(self, f.name) for f in self.option_fields()}
+        out["explicit"] = sorted(f.metadata["option"] for f in self.option_fields() if f.name in self.explicit)
+        return out
+
+
+def _names_in(source: Any) -> list[str]:
+    if source is None:
+        return []
+    if isinstance(source, Mapping):
+        return list(source)
+    return list(vars(source))
+
+
+def nearest_option(name: str) -> str | None:
+    """The declared option nearest to `name` (a misspelling), or `None` when none is close."""
+    matches = difflib.get_close_matches(name, D3DGenerationOptions.option_names(), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def check_option_names(source: Any) -> None:
+    """Refuses a `d3d_*` name in `source` (a mapping of keyword arguments or a `GenerationConfig`) that is not an
+    option.
+
+    Raises:
+        ValueError: naming the unknown option and the nearest declared one.
+    """
+    known = set(D3DGenerationOptions.option_names())
+    for name in _names_in(source):
+        if name.startswith(PREFIX) and name not in known:
+            near = nearest_option(name)
+            hint = f" Did you mean `{near}`?" if near else ""
+            raise ValueError(
+                f"`{name}` is not a D3D generation option.{hint} The options are: {', '.join(sorted(known))}."
+            )
+
+
+#: transformers' assisted-generation options and what a D3D drafter does with each: a D3D option it maps to, or
+#: the message of its refusal (a value equal to transformers' default counts as unset)
+ASSISTED_GENERATION_OPTIONS = {
+    "num_assistant_tokens": "d3d_num_drafts",
+    "num_assistant_tokens_schedule": "a D3D drafter chooses its drafts per round with `d3d_num_drafts='adaptive'` "
+    "(the default) or sends a fixed number (`d3d_num_drafts=k`)",
+    "assistant_confidence_threshold": "the adaptive engine (`d3d_num_drafts='adaptive'`) stops drafts by their "
+    "calibrated acceptance, not by a threshold",
+    "prompt_lookup_num_tokens": "with a D3D drafter, prompt lookup is a candidate source of the adaptive engine: "
+    "`d3d_prompt_lookup=True` (the default) sizes each lookup round by its measured cost",
+    "max_matching_ngram_size": "the D3D engine's prompt lookup matches n-grams of 1 to 3 tokens and learns their "
+    "acceptance per size (`d3d_prompt_lookup`)",
+    "assistant_early_exit": "a D3D drafter is a model of its own: pass it as `assistant_model`",
+    "assistant_lookbehind": "a D3D drafter shares the target's tokenizer",
+    "target_lookbehind": "a D3D drafter shares the target's tokenizer",
+}
+
+
+def assisted_generation_options(generation_config: Any, block_size: int) -> dict[str, Any]:
+    """The D3D options implied by transformers' assisted-generation options set on `generation_config`.
+
+    `num_assistant_tokens=k` means `d3d_num_drafts=k` (at most `block_size - 1`); the others have no D3D meaning and
+    are refused. A value equal to transformers' global default is treated as unset (transformers fills those in).
+
+    Raises:
+        ValueError: for an option that a D3D drafter does not use (naming the D3D option to use), or
+            `num_assistant_tokens` outside `[0, block_size - 1]` or given together with `d3d_num_drafts`.
+    """
+    if generation_config is None or isinstance(generation_config, Mapping):
+        return {}
+    defaults = _assisted_defaults(type(generation_config))
+    mapped = {}
+    for name, meaning in ASSISTED_GENERATION_OPTIONS.items():
+        value = getattr(generation_config, name, None)
+        if value is None or value == defaults.get(name):
+            continue
+        if name == "num_assistant_tokens":
+            number = _whole_number(value)
+            if number is None or not 0 <= number <= block_size - 1:
+                raise ValueError(
+                    f"`num_assistant_tokens={value!r}`: a D3D drafter drafts at most block_size - 1 = "
+                    f"{block_size - 1} tokens per round. Pass `d3d_num_drafts` (a number in [0, {block_size - 1}], "
+                    "'full' or 'adaptive') instead."
+                )
+            if getattr(generation_config, "d3d_num_drafts", None) is not None:
+                raise ValueError(
+                    "`num_assistant_tokens` and `d3d_num_drafts` both set the drafts per round: pass only "
+                    "`d3d_num_drafts`."
+                )
+            mapped["d3d_num_drafts"] = number
+            continue
+        raise ValueError(f"`{name}={value!r}` does not apply to a D3D drafter: {meaning}. Drop `{name}`.")
+    return mapped
+
+
+def _assisted_defaults(config_class: type) -> dict[str, Any]:
+    """transformers' global defaults of the assisted-generation options (what `generate` fills in when unset)."""
+    try:
+        defaults = config_class()._get_default_generation_params()
+    except (AttributeError, TypeError):
+        defaults = {}
+    return {name: defaults.get(name) for name in ASSISTED_GENERATION_OPTIONS}
+
+
+def parse_option_text(text: str) -> Any:
+    """An option value from command-line text: `none` -> `None`, `true` / `false` -> `bool`, digits -> `int`,
+    anything else the text itself (checked when the options are resolved)."""
+    lowered = text.strip().lower()
+    if lowered == "none":
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered.isdigit():
+        return int(lowered)
+    return text.strip()
+
+
+def options_markdown_table(internal: bool = False) -> str:
+    """The Markdown table of the user options (`internal=True`: the internal ones), for README.md."""
+    lines = ["| option | default | accepts | what it does |", "|---|---|---|---|"]
+    for f in D3DGenerationOptions.option_fields(internal=internal):
+        meta = f.metadata
+        lines.append(f"| `{meta['option']}` | `{meta['default_doc']}` | {meta['accepts']} | {meta['doc']} |")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "ASSISTED_GENERATION_OPTIONS",
+    "D3DGenerationOptions",
+    "assisted_generation_options",
+    "check_option_names",
+    "nearest_option",
+    "options_markdown_table",
+    "parse_option_text",
+]

@@ -1,0 +1,159 @@
+"""What every synchronous round (chain or tree) shares: the policy client (`RoundPlanner`) and the draft pass with
+the cache it extends (`DraftPasses`).
+
+Part of the self-contained remote-code bundle: imports only torch and its siblings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from .calibration_d3d import CalibrationStore, policy_for
+from .drafting_d3d import D3DCache
+from .lookup_d3d import lookup_match
+from .options_d3d import D3DGenerationOptions
+from .policy_d3d import DraftPolicy
+from .runtime_d3d import timed
+
+
+@contextlib.contextmanager
+def target_forward_context(target, options: D3DGenerationOptions):
+    """The context in which a call's target forwards run (D3D's own loop, and the calibration of its verify curve):
+    `fast_paths_d3d.target_gqa_attention(target)` (multi-row forwards attend without copying keys/values per query
+    head; bit-identical) unless `d3d_decoding_loop="transformers"`, and `fast_paths_d3d.target_matmul_layouts(target)`
+    with `d3d_target_matmul_layouts=True`. Yields whether the attention was switched."""
+    from .modeling_d3d import target_gqa_attention, target_matmul_layouts  # MERGE-FIX: fast_paths_d3d
+    with contextlib.ExitStack() as stack:
+        switched = False
+        if target is not None and options.decoding_loop == "d3d":
+            switched = stack.enter_context(target_gqa_attention(target))
+        if target is not None and options.target_matmul_layouts:
+            stack.enter_context(target_matmul_layouts(target))
+        yield switched
+
+
+class DraftPasses:
+    """The synchronous draft pass of one call and the cache it extends: the drafter's own `D3DCache`, or a view of
+    the target's cache (`share_target_cache`).
+
+    A pass during which `MatmulLayouts` was still timing candidate layouts (a row count seen for the first time) ran
+    some matmuls on slower layouts than it will from then on: its time is used for that round's choice but not
+    learned into the cost curves (`timed_pass`, `learned_verify_seconds`), where the policy's EMA would keep it."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter = drafter
+        self.device = drafter.model.embed_tokens.weight.device
+        self.cache = D3DCache()  # a new, empty drafter state for every `generate` call
+        self.target_cache = None
+        self._verify_trials = 0
+
+    def layout_trials(self) -> int:
+        """The process's `MatmulLayouts.timed_calls` (drafter and, under `d3d_target_matmul_layouts`, target)."""
+        trials = getattr(self.drafter.model, "matmul_layout_trials", None)
+        return trials() if trials is not None else 0
+
+    def share_target_cache(self, cache) -> None:
+        """Makes every later pass attend to the target's `cache` (a `DynamicCache` that D3D's loop keeps at the
+        committed tokens before the last one) instead of the drafter's own; the pass ingests only the tokens the
+        target has not cached and never changes `cache`."""
+        self.target_cache = cache
+
+    def pass_cache(self) -> D3DCache:
+        """The cache the next pass extends: the drafter's own, or a view of the target's (its layers' tensors, not
+        copied; the pass appends to the view, never to the target's cache)."""
+        if self.target_cache is None:
+            return self.cache
+        view = D3DCache()
+        for layer in self.target_cache.layers[: self.drafter.config.num_hidden_layers]:
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                return view  # nothing cached yet (before the prefill)
+            view.key_cache.append(layer.keys)
+            view.value_cache.append(layer.values)
+        return view
+
+    def timed_pass(self, committed, cache, num_masks: int) -> tuple[torch.Tensor, float, float | None]:
+        """A draft pass: `(block logits, its seconds, the seconds to learn or None)`."""
+        trials = self.layout_trials()
+        block_logits, seconds = timed(lambda: self.drafter.draft_logits(committed, cache, num_masks=num_masks)[0])
+        return block_logits, seconds, seconds if self.layout_trials() == trials else None
+
+    def verification_starts(self) -> None:
+        """Marks the start of a verification (for `learned_verify_seconds`)."""
+        self._verify_trials = self.layout_trials()
+
+    def learned_verify_seconds(self, seconds: float | None) -> float | None:
+        """The verification's time, or `None` when `MatmulLayouts` timed candidates during it."""
+        return seconds if self.layout_trials() == self._verify_trials else None
+
+
+class RoundPlanner:
+    """The policy client of one call: which `DraftPolicy` decides the rounds, the prompt-lookup match it decides
+    with, what it learns after each round and when its state is saved.
+
+    Adaptive (`d3d_num_drafts="adaptive"`): the drafter's own `draft_policy` if it has one, else the machine's
+    calibrated policy for this (target, drafter) pair (`calibration_d3d.policy_for`, measured under the target's
+    forward context). Fixed (a number or `"full"`): a `DraftPolicy` of that many drafts; prompt lookup off. Without
+    a target to calibrate against, the fixed full block (recorded in `stats.overrides`).
+
+    Args:
+        drafter (`D3DForDiffusionDrafting`): the drafter.
+        options (`D3DGenerationOptions`): the call's options.
+        target (`PreTrainedModel`, *optional*): the target.
+        overrides (`dict[str, str]`): where a replaced default is recorded.
+    """
+
+    def __init__(self, drafter, options: D3DGenerationOptions, target, overrides: dict[str, str]) -> None:
+        block_size = int(drafter.config.block_size)
+        mode = options.num_drafts
+        self.store = self.key = None
+        self.fixed_num_drafts: int | None = None
+        self.prompt_lookup = options.prompt_lookup
+        own = getattr(drafter, "draft_policy", None)  # a user's own policy (e.g. curves measured elsewhere)
+        if mode == "adaptive" and own is None and target is None:
+            mode = "full"  # nothing to calibrate against: the engine before the policy
+            overrides["d3d_num_drafts"] = "adaptive -> full: no target to calibrate the cost curves against"
+        if mode != "adaptive":
+            fixed = block_size - 1 if mode == "full" else int(mode)
+            self.policy = DraftPolicy(max_drafts=block_size - 1, mode=fixed)
+            self.mode, self.fixed_num_drafts = str(fixed), fixed
+            if self.prompt_lookup:
+                self.prompt_lookup = False  # explicit True with a fixed plan is refused by the options
+                overrides["d3d_prompt_lookup"] = "True -> False: a fixed d3d_num_drafts sends drafter drafts only"
+            return
+        self.mode = "adaptive"
+        if own is not None:
+            self.policy = own
+            return
+        self.store = CalibrationStore()
+        with target_forward_context(target, options):  # the verify curve of the forwards the loop will run
+            self.policy, self.key = policy_for(
+                target, drafter, self.store, target_matmul_layouts=options.target_matmul_layouts
+            )
+
+    def cost_curves_ms(self) -> dict[str, dict[int, float]] | None:
+        """The adaptive policy's cost curves as they stand, milliseconds by new rows (`None` for a fixed plan)."""
+        if self.mode != "adaptive" or self.policy.verify_curve is None:
+            return None
+        return {
+            name: {q: 1e3 * sec for q, sec in curve.points.items()}
+            for name, curve in (("verify", self.policy.verify_curve), ("draft", self.policy.draft_curve))
+            if curve is not None
+        }
+
+    def lookup(self, input_ids: torch.LongTensor, limit: int, eos_token_ids: list[int]):
+        """The prompt-lookup match after `input_ids` (`(tokens (1, n), matched n-gram size)`, or `(None, None)`)."""
+        if not self.prompt_lookup:
+            return None, None
+        return lookup_match(input_ids, num_tokens=limit, eos_token_id=eos_token_ids or None)
+
+    def save_if_ends(self, ends: Callable[[], bool]) -> None:
+        """Saves what the policy learned, for the next process, when the call ends (`ends()` is asked only for a
+        calibrated policy)."""
+        if self.key is not None and ends():
+            self.policy.save_to(self.store, self.key)
+
+
+__all__ = ["DraftPasses", "RoundPlanner", "target_forward_context"]

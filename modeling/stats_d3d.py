@@ -1,0 +1,137 @@
+"""`D3DGenerationStats`: what happened in one `generate` call with a D3D drafter, and its settings once.
+
+Part of the self-contained remote-code bundle: imports only the standard library and its siblings.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .options_d3d import D3DGenerationOptions
+
+
+@dataclass
+class D3DGenerationStats:
+    """Statistics of one `generate` call with a D3D drafter (stored as `drafter.last_generation_stats`).
+
+    The call's settings are recorded once, in `options`; where the engine replaced a default, `overrides` says so.
+    Every other field records what happened.
+
+    Attributes:
+        options (`D3DGenerationOptions`): the call's resolved `d3d_*` options.
+        overrides (`dict[str, str]`): option name -> why the engine ran something other than its default value
+            (e.g. `{"d3d_async": "auto: synchronous on cpu ..."}`); an explicit value is never replaced.
+        rounds (`int`): target verification forwards (the first one includes the prompt prefill).
+        new_tokens (`int`): tokens committed by those forwards (accepted drafts plus one bonus token each).
+        accepted_drafts (`int`): draft tokens the target accepted.
+        drafted_tokens (`int`): draft tokens proposed (tree nodes with a tree).
+        draft_seconds (`list[float]`): wall time of each round's drafting on the critical path, seconds: the draft
+            pass (synchronous), or waiting for the packed pass plus choosing the tokens (asynchronous hit).
+        verify_seconds (`list[float]`): wall time from the end of each round's drafting to the end of its
+            verification (target forward plus the acceptance bookkeeping), seconds.
+        acceptance_lengths (`list[int]`): tokens committed per round (`tau` of each round).
+        round_sources (`list[str]`): per round, where its candidates came from: `"drafter"`, `"lookup"` (prompt
+            lookup, no draft pass) or `"target"` (none: a plain target step).
+        round_candidates (`list[int]`): per round, the candidates sent for verification (tree: nodes).
+        asynchronous (`bool`): whether packed successor drafting ran (`d3d_async` resolved).
+        policy (`str`): how drafts per round were chosen: `"adaptive"` or the fixed number that ran.
+        hits (`int`): rounds whose block came from the packed pass (real outcome a hypothesis, bonus guess right).
+        reused (`int`): missed rounds that still used a packed block (`d3d_reuse_on_miss=True`).
+        misses (`int`): rounds after a packed pass that needed a synchronous draft.
+        packed_seconds (`list[float]`): wall time of each joined packed pass on the worker thread, seconds (off the
+            critical path; on CUDA the time to enqueue it).
+        join_wait_seconds (`list[float]`): how long each join waited for the packed pass (CPU), seconds.
+        worker_threads (`int`): torch threads of the CPU worker that ran packed passes (0 when none ran on it).
+        cost_curves_ms (`dict`, *optional*): the adaptive policy's cost curves when the call started, milliseconds by
+            new rows (`{"verify": {rows: ms}, "draft": {rows: ms}}`); `None` for a fixed plan.
+        decoding_loop (`str`): the loop that ran the call: `"d3d"` (`decoding_d3d`) or `"transformers"`.
+        shared_target_cache (`bool`): the draft passes attended to the target's cache.
+        target_gqa_attention (`bool`): the target's forwards ran on `fast_paths_d3d.gqa_sdpa_attention_forward`.
+    """
+
+    options: D3DGenerationOptions = field(default_factory=D3DGenerationOptions)
+    overrides: dict[str, str] = field(default_factory=dict)
+    rounds: int = 0
+    new_tokens: int = 0
+    accepted_drafts: int = 0
+    drafted_tokens: int = 0
+    draft_seconds: list[float] = field(default_factory=list)
+    verify_seconds: list[float] = field(default_factory=list)
+    acceptance_lengths: list[int] = field(default_factory=list)
+    round_sources: list[str] = field(default_factory=list)
+    round_candidates: list[int] = field(default_factory=list)
+    asynchronous: bool = False
+    policy: str = "adaptive"
+    hits: int = 0
+    reused: int = 0
+    misses: int = 0
+    packed_seconds: list[float] = field(default_factory=list)
+    join_wait_seconds: list[float] = field(default_factory=list)
+    worker_threads: int = 0
+    cost_curves_ms: dict[str, dict[int, float]] | None = None
+    decoding_loop: str = "transformers"
+    shared_target_cache: bool = False
+    target_gqa_attention: bool = False
+
+    def record_round_plan(self, source: str, num_candidates: int) -> None:
+        """Records where a round's candidates came from and how many were sent."""
+        self.round_sources.append(source if num_candidates or source != "drafter" else "target")
+        self.round_candidates.append(int(num_candidates))
+        self.drafted_tokens += int(num_candidates)
+
+    def record_outcome(self, num_matches: int) -> None:
+        """Records one verified round: `num_matches` candidates accepted plus one bonus token."""
+        self.rounds += 1
+        self.accepted_drafts += num_matches
+        self.new_tokens += num_matches + 1
+        self.acceptance_lengths.append(num_matches + 1)
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length: committed tokens per target verification forward, bonus included."""
+        return self.new_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of rounds after a packed pass whose block was pre-drafted (`hits / (hits + reused + misses)`)."""
+        total = self.hits + self.reused + self.misses
+        return self.hits / total if total else 0.0
+
+    @property
+    def num_hypotheses(self) -> int:
+        """Successor blocks per packed pass (0 when packed successor drafting did not run)."""
+        return self.options.num_hypotheses if self.asynchronous else 0
+
+    @property
+    def tree_budget(self) -> int | str | None:
+        """`d3d_tree_budget` of the call (`None`: chain verification)."""
+        return self.options.tree_budget
+
+    @property
+    def target_matmul_layouts(self) -> bool:
+        """Whether the target's verification forwards ran on `MatmulLayouts` (`d3d_target_matmul_layouts`)."""
+        return self.options.target_matmul_layouts
+
+    @property
+    def asynchronous_off_reason(self) -> str | None:
+        """Why packed successor drafting did not run although `d3d_async` allowed it (`None` otherwise)."""
+        return self.overrides.get("d3d_async") if not self.asynchronous else None
+
+    @property
+    def tokens_by_source(self) -> dict[str, int]:
+        """Committed tokens (accepted candidates plus the bonus token) by the source of their round's candidates."""
+        counts = Counter()
+        for source, length in zip(self.round_sources, self.acceptance_lengths, strict=False):
+            counts[source] += length
+        return dict(counts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (with `tau`, `hit_rate` and `tokens_by_source`), for JSON."""
+        out = asdict(self)
+        out["options"] = self.options.to_dict()
+        return {**out, "tau": self.tau, "hit_rate": self.hit_rate, "tokens_by_source": self.tokens_by_source}
+
+
+__all__ = ["D3DGenerationStats"]
