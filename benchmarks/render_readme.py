@@ -1,12 +1,22 @@
-"""Regenerates the README's results section from the recorded benchmark JSON files.
+"""Regenerates the generated parts of README.md and docs/RESULTS.md from the recorded benchmark JSON files and the
+options declaration.
 
-    python benchmarks/render_readme.py          # rewrite README.md between the results markers
-    python benchmarks/render_readme.py --check  # exit 1 if README.md is out of date
+    python benchmarks/render_readme.py          # rewrite every block between its markers
+    python benchmarks/render_readme.py --check  # exit 1 if a block is out of date
+
+Each block lies between `<!-- NAME:start -->` and `<!-- NAME:end -->` (see BLOCKS):
+
+- README.md: `summary` (one table of the cost-aware engine's speed-ups, from `benchmarks/results/engine/`) and
+  `options` (`options_markdown_table()`, the user options of `modeling/options_d3d.py`);
+- docs/RESULTS.md: the detailed tables, one block per experiment (`results-engine`, `results-tree`,
+  `results-full-block`, `results-async`, `results-pruning`, `results-suite`), and `internal-options`
+  (`options_markdown_table(internal=True)`).
 
 Every file listed in RESULTS must exist; each becomes one table with the settings and the command that made it.
-Then the benchmark suite (`benchmarks/run_suite.sh`): every `benchmarks/results/suite/<set>_<dtype>/results.json`
+The benchmark suite (`benchmarks/run_suite.sh`): every `benchmarks/results/suite/<set>_<dtype>/results.json`
 found, one table per dtype over all prompt sets and methods (with the cost model's predicted speed-up), and the
 plots of `benchmarks/results/suite/report/` when they exist; without suite results, a line saying how to record them.
+Links in docs/RESULTS.md are relative to docs/ (`../benchmarks/...`).
 """
 
 import argparse
@@ -14,12 +24,15 @@ import json
 import sys
 from pathlib import Path
 
+from d3d_hf.modeling.options_d3d import options_markdown_table
+
 from d3d_hf.bench import format_round_plans, format_table
 from d3d_hf.report import PLOTS, format_suite_table
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
-START, END = "<!-- results:start -->", "<!-- results:end -->"
+README = "README.md"
+RESULTS_DOC = "docs/RESULTS.md"
+LINK = "../"  # docs/RESULTS.md links to repository files from docs/
 RESULTS = [
     ("benchmarks/results/shipped_humaneval_float32.json", "shipped drafter `d3d-smollm2-135m-instruct`"),
     ("benchmarks/results/shipped_humaneval_bfloat16.json", "shipped drafter `d3d-smollm2-135m-instruct`"),
@@ -86,14 +99,14 @@ def render_suite() -> str:
             f"{group[0].get('method_settings', {}).get('pld', {}).get('prompt_lookup_num_tokens')} tokens; "
             f"{sets} prompts, {st['max_new_tokens']} new tokens, {st['torch_threads']} threads on {st['cpu_count']} "
             f"CPU cores ({st['machine']}), torch {st['torch']}, transformers {st['transformers']}. Recorded in "
-            f"[`{SUITE}/`]({SUITE}/) by `bash benchmarks/run_suite.sh`; predicted speed-ups from the cost model "
+            f"[`{SUITE}/`]({LINK}{SUITE}/) by `bash benchmarks/run_suite.sh`; predicted speed-ups from the cost model "
             "(`d3d_hf.costmodel`) measured in the same runs."
         )
         parts.append("")
         parts.append(format_suite_table(group))
         parts.append("")
     plots = [f"{SUITE}/report/{name}" for name in PLOTS if (ROOT / SUITE / "report" / name).exists()]
-    parts += [f"![{Path(p).stem}]({p})" for p in plots]
+    parts += [f"![{Path(p).stem}]({LINK}{p})" for p in plots]
     return "\n".join(parts).rstrip() + "\n"
 
 
@@ -121,7 +134,7 @@ def render_engine() -> list[str]:
             f"{group[0].get('method_settings', {}).get('pld', {}).get('prompt_lookup_num_tokens')} tokens; {sets} "
             f"prompts, {st['max_new_tokens']} new tokens, {st['torch_threads']} threads on {st['cpu_count']} CPU "
             f"cores ({cpu.get('model', st['machine'])}; {' '.join(flags) or 'no AVX2'}), torch {st['torch']}, "
-            f"transformers {st['transformers']}. Recorded in [`{ENGINE}/`]({ENGINE}/) by "
+            f"transformers {st['transformers']}. Recorded in [`{ENGINE}/`]({LINK}{ENGINE}/) by "
             "`bash benchmarks/run_engine.sh`."
         )
         parts += ["", format_suite_table(group), ""]
@@ -167,7 +180,7 @@ def render_tree() -> list[str]:
             f"{st['num_prompts']} {st['prompts']} prompts (from #{st.get('offset', 0)}), {st['max_new_tokens']} new "
             f"tokens, {st['torch_threads']} threads on {st['cpu_count']} CPU cores ({cpu.get('model', st['machine'])}; "
             f"{' '.join(flags) or 'no AVX2'}), torch {st['torch']}, transformers {st['transformers']}. Recorded in "
-            f"[`{f.parent.relative_to(ROOT)}/`]({f.parent.relative_to(ROOT)}/) by `bash benchmarks/run_tree.sh`.",
+            f"[`{f.parent.relative_to(ROOT)}/`]({LINK}{f.parent.relative_to(ROOT)}/) by `bash benchmarks/run_tree.sh`.",
             "",
         ]
         parts += _table_and_plans(result)
@@ -179,7 +192,7 @@ def render_tree() -> list[str]:
             "ingests one token) against `d3d-own-cache` (`d3d_share_target_cache=False`: its own cache, re-running "
             f"the committed tokens), same run; {st['num_prompts']} {st['prompts']} prompts (from "
             f"#{st.get('offset', 0)}), {st['max_new_tokens']} new tokens, {st['torch_threads']} threads. Recorded in "
-            f"[`{f.parent.relative_to(ROOT)}/`]({f.parent.relative_to(ROOT)}/) by `bash benchmarks/run_tree.sh`.",
+            f"[`{f.parent.relative_to(ROOT)}/`]({LINK}{f.parent.relative_to(ROOT)}/) by `bash benchmarks/run_tree.sh`.",
             "",
         ]
         parts += _table_and_plans(result)
@@ -190,8 +203,8 @@ def render_tree() -> list[str]:
         parts += [
             f"**The trees themselves, {st['dtype']}**: a drafter round with a 16-node tree every round (`--num-drafts "
             f"full --tree-budget 16`), so tau is the trees' acceptance, not the engine's mix; {sets} prompts, "
-            f"{st['max_new_tokens']} new tokens, {st['torch_threads']} threads. Recorded in [`{TREE}/`]({TREE}/) by "
-            "`bash benchmarks/run_tree.sh`.",
+            f"{st['max_new_tokens']} new tokens, {st['torch_threads']} threads. Recorded in "
+            f"[`{TREE}/`]({LINK}{TREE}/) by `bash benchmarks/run_tree.sh`.",
             "",
             format_suite_table(results),
             "",
@@ -211,7 +224,7 @@ def _render_result(rel: str, label: str, command: str | None = None) -> list[str
         f"{st['dtype']}, {st['num_prompts']} {st['prompts']} prompts{offset}, {st['max_new_tokens']} new tokens, "
         f"block size {st['block_size']}, {st['torch_threads']} threads on {st['cpu_count']} CPU cores "
         f"({st['machine']}), torch {st['torch']}, transformers {st['transformers']}. "
-        f"Recorded in [`{rel}`]({rel}) by `{command or st['command']}`.",
+        f"Recorded in [`{rel}`]({LINK}{rel}) by `{command or st['command']}`.",
         "",
         format_table(data["summary"]),
         "",
@@ -247,7 +260,7 @@ def render_pruning() -> list[str]:
             f"| {step['num_layers']} | {removed} | {step['tau']:.3f} | {step['tau_retention']:.3f} | "
             f"{step['draft_ms']:.1f} | " + " | ".join(cells) + " |"
         )
-    lines += ["", "![pruning curve](benchmarks/pruning/pruning_curve.png)", ""]
+    lines += ["", f"![pruning curve]({LINK}benchmarks/pruning/pruning_curve.png)", ""]
     return lines
 
 
@@ -283,39 +296,126 @@ def render_worker_threads() -> list[str]:
     return lines
 
 
-def render() -> str:
-    parts = render_engine() + render_tree()
+def _cpu_text(settings: dict) -> str:
+    """The machine as the engine bench recorded it: CPU model, its AVX2 / AVX-512 / AMX flags."""
+    cpu = settings.get("cpu") or {}
+    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if cpu.get(f)]
+    if cpu and not (cpu.get("amx_bf16") or cpu.get("amx_tile")):
+        flags.append("no AMX")
+    return f"{cpu.get('model', settings['machine'])} ({', '.join(flags) or 'no AVX2'})"
+
+
+SET_NAMES = {"humaneval": "HumanEval", "gsm8k": "GSM8K", "mt-bench": "MT-Bench", "vicuna-bench": "Vicuna-Bench"}
+
+
+def render_summary() -> str:
+    """README's one table: the cost-aware engine's run (`bash benchmarks/run_engine.sh`), one row per prompt set and
+    dtype, with the target's tokens/s, prompt lookup's and D3D's speed-ups, D3D's tau and lossless match."""
+    files = sorted((ROOT / ENGINE).glob("*/results.json"))
+    if not files:
+        return "Not recorded yet: `bash benchmarks/run_engine.sh` records it in `benchmarks/results/engine/`.\n"
+    results = sorted((json.loads(f.read_text()) for f in files), key=_order)
+    st = results[0]["settings"]
+    sets = ", ".join(
+        f"{SET_NAMES.get(r['settings']['prompts'], r['settings']['prompts'])} "
+        f"{r['settings'].get('offset', 0)}-{r['settings'].get('offset', 0) + r['settings']['num_prompts'] - 1}"
+        for r in results
+        if r["settings"]["dtype"] == st["dtype"]
+    )
+    lines = [
+        f"**{st['target']}** with the shipped drafter `{st['drafter']}`, greedy, {st['max_new_tokens']} new tokens, "
+        f"prompts {sets}; machine: {_cpu_text(st)}, {st['torch_threads']} torch threads on {st['cpu_count']} cores; "
+        f"torch {st['torch']}, transformers {st['transformers']}. Speed-ups are aggregate tokens/s over the target "
+        f"alone in the same run; tau is tokens committed per target forward. Recorded in "
+        f"[`{ENGINE}/`]({ENGINE}/) by `bash benchmarks/run_engine.sh`.",
+        "",
+        "| prompts | dtype | target tok/s | prompt lookup (pld) speed-up | d3d speed-up | d3d tau | d3d lossless |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        rs, summary = result["settings"], result["summary"]
+        target, pld, d3d = summary["target"], summary.get("pld"), summary["d3d"]
+        lines.append(
+            f"| {SET_NAMES.get(rs['prompts'], rs['prompts'])} | {rs['dtype']} | {target['tokens_per_second']:.1f} | "
+            + (f"{pld['speedup']:.2f}x" if pld else "-")
+            + f" | **{d3d['speedup']:.2f}x** | {d3d['tau']:.2f} | {100 * d3d['lossless_match']:.0f}% |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render_full_block() -> list[str]:
+    """Full-block drafting (the engine before the policy): all 164 HumanEval prompts, the shipped and the untrained
+    drafter on the first 20."""
+    parts = []
     for rel, label, command in OPTIONAL[:2]:
         if (ROOT / rel).exists():
             parts += _render_result(rel, label, command)
     for rel, label in RESULTS:
         parts += _render_result(rel, label)
+    return parts
+
+
+def render_async() -> list[str]:
+    """Asynchronous drafting: the `bash benchmarks/run_async.sh` runs, then the worker-thread comparison."""
+    parts = []
     for rel, label, command in OPTIONAL[2:]:
         if (ROOT / rel).exists():
             parts += _render_result(rel, label, command)
-    parts += render_worker_threads()
-    parts += render_pruning()
-    parts.append(render_suite())
-    return "\n".join(parts).rstrip() + "\n"
+    return parts + render_worker_threads()
+
+
+def _text(parts: list[str] | str) -> str:
+    text = parts if isinstance(parts, str) else "\n".join(parts)
+    return text.rstrip() + "\n"
+
+
+# (file, block name, renderer): each block lies between `<!-- NAME:start -->` and `<!-- NAME:end -->` in its file
+BLOCKS = [
+    (README, "summary", render_summary),
+    (README, "options", lambda: options_markdown_table() + "\n"),
+    (RESULTS_DOC, "results-engine", lambda: _text(render_engine())),
+    (RESULTS_DOC, "results-tree", lambda: _text(render_tree())),
+    (RESULTS_DOC, "results-full-block", lambda: _text(render_full_block())),
+    (RESULTS_DOC, "results-async", lambda: _text(render_async())),
+    (RESULTS_DOC, "results-pruning", lambda: _text(render_pruning())),
+    (RESULTS_DOC, "results-suite", render_suite),
+    (RESULTS_DOC, "internal-options", lambda: options_markdown_table(internal=True) + "\n"),
+]
+
+
+def replace_block(text: str, name: str, content: str) -> str:
+    """`text` with what lies between the `name` markers replaced by `content` (a `KeyError` when a marker is
+    missing)."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    if start not in text or end not in text:
+        raise KeyError(f"lacks the {start} / {end} markers")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{content}{end}{tail}"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
-    text = README.read_text()
-    if START not in text or END not in text:
-        print(f"README.md lacks the {START} / {END} markers")
-        return 1
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    new = f"{head}{START}\n{render()}{END}{tail}"
-    if args.check:
+    stale = []
+    for rel in dict.fromkeys(rel for rel, _, _ in BLOCKS):
+        path = ROOT / rel
+        text = path.read_text()
+        new = text
+        for _, name, render in (b for b in BLOCKS if b[0] == rel):
+            try:
+                new = replace_block(new, name, render())
+            except KeyError as error:
+                print(f"{rel} {error.args[0]}")
+                return 1
         if new != text:
-            print("README.md results are out of date: run `python benchmarks/render_readme.py`")
-            return 1
-        return 0
-    README.write_text(new)
+            stale.append(rel)
+            if not args.check:
+                path.write_text(new)
+    if args.check and stale:
+        print(f"{', '.join(stale)} out of date: run `python benchmarks/render_readme.py`")
+        return 1
     return 0
 
 

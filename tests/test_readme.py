@@ -1,4 +1,5 @@
-"""The README's commands are the ones CI runs, and its results table is generated from recorded JSON."""
+"""The README's commands are the ones CI runs; its summary and options tables and docs/RESULTS.md's tables are generated
+(benchmarks/render_readme.py) from the recorded JSON and the options declaration."""
 
 import subprocess
 import sys
@@ -56,4 +57,4 @@ def test_suite_section_renders_recorded_suite_results(tmp_path):
     assert text.index("Benchmark suite, float32") < text.index("Benchmark suite, bfloat16")
     assert text.count("| prompts | method |") == 2 and "| predicted speed-up |" in text
     assert text.index("| humaneval | d3d |") < text.index("| mt-bench | d3d |")
-    assert "![speedup](benchmarks/results/suite/report/speedup.png)" in text and "tau_distribution" not in text
+    assert "![speedup](../benchmarks/results/suite/report/speedup.png)" in text and "tau_distribution" not in text
