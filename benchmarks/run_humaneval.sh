@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The benchmark runs whose results are recorded in benchmarks/results/ and shown in README.md.
+# The benchmark runs whose results are recorded in benchmarks/results/ and shown in docs/RESULTS.md.
 # Run on an otherwise idle machine (any concurrent CPU job distorts tokens/s badly on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."

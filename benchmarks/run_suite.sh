@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The benchmark suite recorded in benchmarks/results/suite/ and shown in README.md: every method (target, pld,
+# The benchmark suite recorded in benchmarks/results/suite/ and shown in docs/RESULTS.md: every method (target, pld,
 # ar-assist, d3d, d3d-async with 4 hypotheses) on every prompt set (humaneval, gsm8k, mt-bench) for SmolLM2-135M-Instruct with the shipped drafter
 # d3d-smollm2-135m-instruct, in float32 and bfloat16, with the cost model; then the combined report (plots) and the
-# README tables. Run on an otherwise idle machine (a concurrent CPU job distorts tokens/s badly on 2 cores).
+# tables of docs/RESULTS.md. Run on an otherwise idle machine (a concurrent CPU job distorts tokens/s badly on 2 cores).
 # Resumable: a finished (prompt set, dtype) folder is kept; FORCE=1 reruns everything.
 #   bash benchmarks/run_suite.sh
 # Trains the autoregressive assistant first (examples/train_ar_assistant.sh) when ASSISTANT does not exist yet.
