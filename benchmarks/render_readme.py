@@ -26,7 +26,7 @@ from pathlib import Path
 
 from d3d_hf.modeling.options_d3d import options_markdown_table
 
-from d3d_hf.bench import format_round_plans, format_table
+from d3d_hf.bench import PromptRun, _round_plan_summary, format_round_plans, format_table
 from d3d_hf.report import PLOTS, format_suite_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,7 +139,7 @@ def render_engine() -> list[str]:
         )
         parts += ["", format_suite_table(group), ""]
         for result in group:
-            plans = format_round_plans(result["summary"])
+            plans = format_round_plans(_plan_summary(result))
             if plans:
                 parts += [
                     f"Rounds on {result['settings']['prompts']} ({dtype}) by candidate source and `k`:",
@@ -150,12 +150,24 @@ def render_engine() -> list[str]:
     return parts
 
 
+def _plan_summary(result: dict) -> dict:
+    """The recorded summary with each method's round plan summary recomputed from its recorded runs (results
+    recorded before `drafter_token_share` existed get it too)."""
+    summary = {m: dict(s) for m, s in result["summary"].items()}
+    fields = set(PromptRun.__dataclass_fields__)
+    for method, runs in result.get("runs", {}).items():
+        if method in summary:
+            summary[method].update(_round_plan_summary([PromptRun(**{k: v for k, v in r.items() if k in fields})
+                                                        for r in runs]))
+    return summary
+
+
 TREE = "benchmarks/results/tree"
 
 
 def _table_and_plans(result: dict) -> list[str]:
     """One run's results table, then its rounds by candidate source and `k` (when it has D3D rounds)."""
-    plans = format_round_plans(result["summary"])
+    plans = format_round_plans(_plan_summary(result))
     return [format_suite_table([result]), ""] + ([plans, ""] if plans else [])
 
 

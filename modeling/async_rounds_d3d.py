@@ -108,7 +108,14 @@ class PackedSuccessorDrafting:
         # a hypothesis is an outcome (m accepted drafts, bonus token g); its likelihood under the drafter is
         # survive[m] * q_{m+1}(g) with g != d_{m+1} (the rejected draft), or survive[k] * q_{k+1}(g) when all k pass
         probs = block_logits[: num_drafts + 1].softmax(dim=-1)
-        top_probs, top_ids = probs.topk(min(self.num_hypotheses + 1, probs.shape[-1]), dim=-1)
+        width = min(self.num_hypotheses + 1, probs.shape[-1])
+        noise = self.proposer.noise if self.proposer.do_sample else None
+        if noise is not None:  # drafter-invariant sampling: guess the bonus token by the Gumbel-max order
+            positions = range(input_ids.shape[1], input_ids.shape[1] + probs.shape[0])
+            top_ids = noise.perturb(probs.log(), positions).topk(width, dim=-1).indices.to(probs.device)
+            top_probs = probs.gather(1, top_ids)
+        else:
+            top_probs, top_ids = probs.topk(width, dim=-1)
         draft_list = draft_ids[0].tolist()
         candidates = []
         for m in range(num_drafts + 1):

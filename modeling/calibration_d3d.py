@@ -451,8 +451,33 @@ def _plausible(verify_curve: CostCurve | None, draft_curve: CostCurve | None) ->
     )
 
 
+#: a stored calibration whose one-row target forward is off by more than this fraction (either way) when it is first
+#: used in a process is measured again (`policy_for`)
+DRIFT_MARGIN = 0.3
+
+
+def _drifted(verify_curve: CostCurve, target, drafter, margin: float) -> bool:
+    """Whether a few one-row target forwards now (median of 3 after a warm-up, on the calibration's 128-token
+    context) differ from the stored curve's one-row time by more than `margin` (a fraction) either way."""
+    now, _ = measure_cost_curves(target, drafter, rows=(1,), repeats=3, monotone=False)
+    stored, measured = verify_curve(1), now(1)
+    ratio = measured / stored if stored > 0 else float("inf")
+    drifted = not (1 / (1 + margin) <= ratio <= 1 + margin)
+    if drifted:
+        logger.info(
+            "Stored cost curves are stale (one-row target forward %.1f ms now, %.1f ms stored): measuring again.",
+            1e3 * measured,
+            1e3 * stored,
+        )
+    return drifted
+
+
 def policy_for(
-    target, drafter, store: CalibrationStore | None = None, target_matmul_layouts: bool = False
+    target,
+    drafter,
+    store: CalibrationStore | None = None,
+    target_matmul_layouts: bool = False,
+    drift_margin: float | None = DRIFT_MARGIN,
 ) -> tuple[DraftPolicy, str]:
     """The adaptive `DraftPolicy` of a (target, drafter) pair on this machine, dtype, threads and device.
 
@@ -464,6 +489,12 @@ def policy_for(
     carries over to the next; it starts from the state stored on disk under that key (`CalibrationStore`) and,
     the first time the pair is used here, from a short `measure_cost_curves` calibration (about 20 forwards of each
     model), which is stored at once. The caller saves the learned state with `policy.save_to(store, key)`.
+
+    Drift: a stored calibration is checked at its first use in a process by a few one-row target forwards
+    (`_drifted`); where they differ from the stored one-row time by more than `drift_margin` (default `DRIFT_MARGIN`
+    = 0.3, either way; `None`: no check), the curves are measured again and replace the stored ones (a calibration
+    taken on a loaded machine, or a machine that changed speed since, would otherwise be kept until rounds slowly
+    correct it).
 
     Returns:
         `(policy, key)`.
@@ -491,7 +522,10 @@ def policy_for(
         store = store or CalibrationStore()
         max_drafts = int(drafter.config.block_size) - 1
         policy = DraftPolicy(CostCurve({1: 1.0}), CostCurve({1: 1.0}), max_drafts=max_drafts)  # curves restored below
-        if not policy.restore_from(store, key) or not _plausible(policy.verify_curve, policy.draft_curve):
+        restored = policy.restore_from(store, key) and _plausible(policy.verify_curve, policy.draft_curve)
+        if restored and drift_margin is not None and _drifted(policy.verify_curve, target, drafter, drift_margin):
+            restored = False  # the machine is not what it was when the curves were stored: measure them again
+        if not restored:
             for _ in range(3):  # a measurement taken while other jobs load the CPU is redone (and never stored)
                 verify_curve, draft_curve = measure_cost_curves(target, drafter, monotone=False)
                 if _plausible(verify_curve, draft_curve):
@@ -506,6 +540,7 @@ def policy_for(
 __all__ = [
     "CACHE_ENV",
     "CALIBRATION_FORMAT_VERSION",
+    "DRIFT_MARGIN",
     "SPEED_FLAGS",
     "CalibrationStore",
     "calibration_key",

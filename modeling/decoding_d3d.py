@@ -179,6 +179,7 @@ def d3d_assisted_decoding(
     # the target's copy-free GQA attention, its matmul layouts under `d3d_target_matmul_layouts`, the shared cache
     with generator.own_loop(target, cache) as tree_rounds:
         tree_mode = tree_rounds is not None
+        noise = generator.proposer.noise  # `GumbelNoise` under drafter-invariant sampling, else None
         if tree_mode and getattr(cache, "layers", None):
             check_tree_cache(cache)
         unfinished, first_round = True, True
@@ -237,21 +238,29 @@ def d3d_assisted_decoding(
             if len(logits_processor) > 0:  # each row on its own history, built only when a processor needs it
                 for i in range(num_candidates + 1):
                     new_logits[:, i, :] = logits_processor(history(i).to(input_ids.device), new_logits[:, i, :])
-            if tree_mode:
+            if tree_mode and noise is not None:  # drafter-invariant: each row's Gumbel-max at its own position
+                depths = [0] + [len(tree.path_tokens(node)) for node in range(num_candidates)]
+                choices = noise.choose(new_logits[0], [cur_len + depth for depth in depths])
+                path, bonus = greedy_tree_path(tree, choices.tolist())
+                rows = [0] + [node + 1 for node in path]
+                valid = input_ids.new_tensor([[tree.tokens[node] for node in path] + [bonus]])
+            elif tree_mode:
                 if do_sample:
                     probabilities = new_logits[0].softmax(dim=-1)
-                    path, bonus = sample_tree_path(tree, lambda node: probabilities[node + 1])
+                    path, bonus = sample_tree_path(tree, lambda node, p=probabilities: p[node + 1])
                 else:
                     path, bonus = greedy_tree_path(tree, new_logits[0].argmax(dim=-1).tolist())
                 rows = [0] + [node + 1 for node in path]  # logits rows of the committed tokens, in order
                 valid = input_ids.new_tensor([[tree.tokens[node] for node in path] + [bonus]])
-            elif do_sample and candidate_logits is not None:
+            elif do_sample and candidate_logits is not None and noise is None:
                 rule = _speculative_sampling if _speculative_sampling is not None else _chain_sampling
                 valid, n_matches = rule(candidate_ids, candidate_logits, num_candidates, new_logits)
                 valid = valid.to(input_ids.device)
                 rows = list(range(int(n_matches) + 1))
             else:
-                if do_sample:
+                if noise is not None:  # drafter-invariant: a draft is accepted iff it is the Gumbel-max token
+                    selected = noise.choose(new_logits[0], range(cur_len, cur_len + num_candidates + 1))[None]
+                elif do_sample:
                     selected = torch.multinomial(new_logits[0].softmax(dim=-1), num_samples=1).view(1, -1)
                 else:
                     selected = new_logits.argmax(dim=-1)
@@ -280,6 +289,8 @@ def d3d_assisted_decoding(
             if raw_logits is not None:
                 raw_logits += tuple(raw[:, i, :] for i in rows)
             unfinished = not bool(stopping_criteria(input_ids, scores)[0])
+            if noise is not None:
+                noise.forget_before(input_ids.shape[1])
     if streamer is not None:
         streamer.end()
     if return_dict:

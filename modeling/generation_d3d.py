@@ -22,6 +22,7 @@ from .options_d3d import D3DGenerationOptions
 from .planner_d3d import DraftPasses, RoundPlanner, target_forward_context
 from .proposer_d3d import DraftProposer
 from .runtime_d3d import RoundClock
+from .sampling_d3d import GumbelNoise
 from .stats_d3d import D3DGenerationStats
 from .tree_rounds_d3d import TreeRounds
 
@@ -130,6 +131,8 @@ class D3DCandidateGenerator(CandidateGenerator):
             drafter.model.embed_tokens.weight.device,
             target_tokenizer,
         )
+        if self.proposer.do_sample and options.sampling == "invariant":  # until D3D's own loop enters (`own_loop`)
+            stats.overrides["d3d_sampling"] = "invariant -> speculative: transformers' assisted-generation loop"
         self.passes = DraftPasses(drafter)
         self.round_clock = RoundClock(stats.draft_seconds, stats.verify_seconds)
         stats.asynchronous = resolve_asynchronous(options, self.passes.device, stats.overrides)
@@ -196,9 +199,13 @@ class D3DCandidateGenerator(CandidateGenerator):
     def own_loop(self, target, cache):
         """Entered by D3D's own decoding loop around its rounds: shares the target's `cache` with the draft passes
         when the drafter computes the same keys and values (`d3d_share_target_cache`; a `DynamicCache` of full
-        layers), runs the target's forwards in their context (`planner_d3d.target_forward_context`) and yields the
-        call's `TreeRounds` (`None` for chain rounds)."""
+        layers), draws the call's Gumbel noise under drafter-invariant sampling (`d3d_sampling="invariant"` with
+        `do_sample=True`: one draw from torch's default generator), runs the target's forwards in their context
+        (`planner_d3d.target_forward_context`) and yields the call's `TreeRounds` (`None` for chain rounds)."""
         self.stats.decoding_loop = "d3d"
+        if self.proposer.do_sample and self.options.sampling == "invariant":
+            self.proposer.noise = GumbelNoise.from_default_generator(self.drafter.config.vocab_size)
+            self.stats.overrides.pop("d3d_sampling", None)
         if self._can_share_target_cache(target) and all(
             type(layer).__name__ == "DynamicLayer" for layer in getattr(cache, "layers", [None])
         ):

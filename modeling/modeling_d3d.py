@@ -1264,9 +1264,9 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         self.model._output_embeddings = weakref.ref(self)  # whose LM head runs on `autotune_matmuls` too
         self.post_init()
         install_generation_hook()
-        # decoding options read by `D3DCandidateGenerator` unless the `GenerationConfig` of the call sets them
-        # (as transformers reads `num_assistant_tokens` from an assistant's generation config)
-        self.generation_config = GenerationConfig(d3d_async=False, d3d_reuse_on_miss=False)
+        # `d3d_*` options set here are read by `D3DCandidateGenerator` unless the call sets them (as transformers reads
+        # `num_assistant_tokens` from an assistant's generation config); none is set: the declared defaults apply
+        self.generation_config = GenerationConfig()
         self.last_generation_stats = None
         self._attached_target = None
         if config.shares_target_weights:

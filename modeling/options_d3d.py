@@ -99,6 +99,12 @@ def _positive(value: Any, block_size: int) -> int:
     return number
 
 
+def _sampling(value: Any, block_size: int) -> str:
+    if value not in ("invariant", "speculative"):
+        raise _Invalid
+    return value
+
+
 def _decoding_loop(value: Any, block_size: int) -> str:
     if value not in ("d3d", "transformers"):
         raise _Invalid
@@ -153,10 +159,17 @@ class D3DGenerationOptions:
             drafter round in D3D's own loop (`None`: chain verification; `"adaptive"`: the node count that maximises
             expected tokens per second, at most the block size).
         tree_branching (`int` >= 1, default 4): drafter candidates per tree depth.
+        sampling (`str`, default `"invariant"`): how `do_sample=True` verifies. `"invariant"`: drafter-invariant
+            sampling (`sampling_d3d`, arXiv 2408.07978): the target's token at each position is the Gumbel-max of its
+            processed distribution under noise keyed by a call seed drawn from torch's default generator, so the
+            text depends only on the seed, the prompt and the target, whatever the engine plans; `"speculative"`:
+            standard speculative sampling (arXiv 2211.17192), whose random draws depend on the plan.
         decoding_loop (`str`, default `"d3d"`; internal): `"d3d"` (D3D's own loop) or `"transformers"`
             (transformers' assisted-generation loop: the ablation of D3D's loop, chain verification only).
         share_target_cache (`bool`, default `True`; internal): a drafter on the target's own first layers attends to
             the target's cache instead of re-running committed tokens in its own (`False`: the ablation).
+        draft_passes (`bool`, default `True`; internal): `False` keeps the adaptive engine from drafting (plain
+            steps and prompt-lookup rounds only, same calibration): what the drafter adds is `d3d` against this.
         target_matmul_layouts (`bool`, default `False`; internal): the target's 2-32 row verification forwards on
             the faster matmul layout of the machine (`fast_paths_d3d.target_matmul_layouts`; CPU experiment).
         explicit (`frozenset[str]`): the fields some source set (the others are defaults).
@@ -223,6 +236,14 @@ class D3DGenerationOptions:
         "Tree verification: drafter candidates per depth.",
         _positive,
     )
+    sampling: str = _option(
+        "sampling",
+        "invariant",
+        "'invariant' or 'speculative'",
+        "`do_sample=True`: `'invariant'` gives the same text for a seed whatever the engine plans (Gumbel-max "
+        "coupling); `'speculative'` is standard speculative sampling (its draws depend on the plan).",
+        _sampling,
+    )
     decoding_loop: str = _option(
         "decoding_loop",
         "d3d",
@@ -236,6 +257,15 @@ class D3DGenerationOptions:
         True,
         "True or False",
         "A drafter on the target's first layers reads the target's cache (`False`: its own cache, the ablation).",
+        _boolean,
+        internal=True,
+    )
+    draft_passes: bool = _option(
+        "draft_passes",
+        True,
+        "True or False",
+        "`False`: the adaptive engine never runs a draft pass (plain target steps and its sized prompt-lookup rounds "
+        "only, same calibration): the ablation that measures what the drafter adds (bench method `engine-lookup`).",
         _boolean,
         internal=True,
     )
@@ -330,6 +360,11 @@ class D3DGenerationOptions:
                 "`d3d_target_matmul_layouts` times the target's matmuls, which asynchronous drafting would disturb on "
                 "the same cores: it cannot be combined with `d3d_async=True`. Set one of them to its default."
             )
+        if self.sampling == "invariant" and self.is_explicit("sampling") and loop == "transformers":
+            raise ValueError(
+                "`d3d_sampling='invariant'` needs D3D's own decoding loop: transformers' assisted-generation loop "
+                "samples with speculative sampling. Drop `d3d_decoding_loop='transformers'` (or the option)."
+            )
         if self.tree_budget is not None and loop == "transformers":
             raise ValueError(
                 "`d3d_tree_budget` needs D3D's own decoding loop: transformers' assisted-generation loop verifies one "
@@ -345,6 +380,11 @@ class D3DGenerationOptions:
                 "Asynchronous rounds draft a fixed number of tokens (the packed pass pre-drafts whole successor "
                 "blocks): `d3d_num_drafts='adaptive'` cannot be combined with `d3d_async=True`. Drop one of them, "
                 "or give `d3d_num_drafts` a number or 'full'."
+            )
+        if not self.draft_passes and (self.num_drafts != "adaptive" or asynchronous or self.tree_budget is not None):
+            raise ValueError(
+                "`d3d_draft_passes=False` is the adaptive engine without its drafter: it cannot be combined with a "
+                "fixed `d3d_num_drafts`, `d3d_async=True` or `d3d_tree_budget`. Drop one of them."
             )
         if self.prompt_lookup and self.is_explicit("prompt_lookup") and self.num_drafts != "adaptive":
             raise ValueError(

@@ -7,6 +7,7 @@ Part of the self-contained remote-code bundle: imports only torch and its siblin
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 
 import torch
@@ -89,6 +90,19 @@ class DraftPasses:
         return seconds if self.layout_trials() == self._verify_trials else None
 
 
+_LOOKUP_ONLY_POLICIES: dict[str, DraftPolicy] = {}
+
+
+def _without_draft_passes(policy: DraftPolicy, key: str) -> DraftPolicy:
+    """The process's drafter-less twin of the calibrated `policy` (`d3d_draft_passes=False`): a copy made when first
+    asked for, with no draft curve (so a draft pass is never an option), that then learns on its own."""
+    twin = _LOOKUP_ONLY_POLICIES.get(key)
+    if twin is None:
+        twin = _LOOKUP_ONLY_POLICIES[key] = copy.deepcopy(policy)
+        twin.draft_curve = None
+    return twin
+
+
 class RoundPlanner:
     """The policy client of one call: which `DraftPolicy` decides the rounds, the prompt-lookup match it decides
     with, what it learns after each round and when its state is saved.
@@ -132,6 +146,8 @@ class RoundPlanner:
             self.policy, self.key = policy_for(
                 target, drafter, self.store, target_matmul_layouts=options.target_matmul_layouts
             )
+        if not options.draft_passes:  # the ablation without the drafter: its own policy, never saved
+            self.policy, self.key = _without_draft_passes(self.policy, self.key), None
 
     def cost_curves_ms(self) -> dict[str, dict[int, float]] | None:
         """The adaptive policy's cost curves as they stand, milliseconds by new rows (`None` for a fixed plan)."""

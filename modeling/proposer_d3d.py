@@ -24,8 +24,9 @@ def as_id_list(value) -> list[int]:
 class DraftProposer:
     """Chooses draft tokens after the target's logits processors, and knows where drafting must stop.
 
-    Drafts are the argmax (greedy) or a sample (`do_sample=True`) of the drafter's scores after the same logits
-    processors the target applies, applied to the real committed sequence, so the returned scores are exactly the
+    Drafts are the argmax (greedy), the Gumbel-max under the call's noise (`do_sample=True` with drafter-invariant
+    sampling, `noise` set: `sampling_d3d`) or a sample (speculative sampling) of the drafter's scores after the same
+    logits processors the target applies, applied to the real committed sequence, so the returned scores are exactly the
     distribution `q` each draft was drawn from, as lossless speculative sampling requires. A draft never contains a
     token that completes one of `generation_config.stop_strings` (such a token and what follows it are left to the
     target, so generation stops exactly where target-only decoding stops) and ends after an eos token.
@@ -47,6 +48,7 @@ class DraftProposer:
         self.vocab_size = int(vocab_size)
         self.device = device
         self.eos_token_ids = as_id_list(generation_config.eos_token_id)
+        self.noise = None  # `sampling_d3d.GumbelNoise` under drafter-invariant sampling (set by D3D's loop)
         self.stop_string_criteria = None
         if generation_config.stop_strings:
             if target_tokenizer is None:
@@ -103,9 +105,13 @@ class DraftProposer:
         stop-string-completing token."""
         sequence = input_ids.to(logits.device)
         has_processors = self.logits_processor is not None and len(self.logits_processor) > 0
+        start = input_ids.shape[1]  # the absolute position of the first draft
+        noise = self.noise if self.do_sample else None
         if not has_processors:
             # no history-dependent processors: choose every draft token in one vectorised call
-            if self.do_sample:
+            if noise is not None:
+                chosen = noise.choose(logits, range(start, start + logits.shape[0]))[None]
+            elif self.do_sample:
                 chosen = torch.multinomial(logits.softmax(dim=-1), num_samples=1).view(1, -1)
             else:
                 chosen = logits.argmax(dim=-1)[None]
@@ -114,7 +120,9 @@ class DraftProposer:
             step_scores = logits[k : k + 1]
             if has_processors:
                 step_scores = self.logits_processor(sequence, step_scores)
-                if self.do_sample:
+                if noise is not None:
+                    token = noise.choose(step_scores, [start + k]).view(1, 1)
+                elif self.do_sample:
                     token = torch.multinomial(step_scores.softmax(dim=-1), num_samples=1)
                 else:
                     token = step_scores.argmax(dim=-1, keepdim=True)

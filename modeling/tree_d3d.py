@@ -126,6 +126,7 @@ def build_draft_tree(
     stop_tokens: Sequence[int] = (),
     allow: Callable[[list[int]], bool] | None = None,
     generator: torch.Generator | None = None,
+    ranking: torch.Tensor | None = None,
 ) -> DraftTree:
     r"""
     Best-first draft tree under a node budget from per-depth draft distributions (DDTree's construction, arXiv
@@ -155,6 +156,11 @@ def build_draft_tree(
         allow (`Callable[[list[int]], bool]`, *optional*): called with a candidate node's token path; `False`
             leaves the node (and its subtree) out (e.g. a token that completes a stop string).
         generator (`torch.Generator`, *optional*): for `sample_first`.
+        ranking (`torch.Tensor` of shape `(num_depths, vocab_size)`, *optional*): scores whose order chooses each
+            depth's `branching` candidates instead of `probabilities` (which still give their acceptance estimates):
+            the Gumbel-perturbed drafter scores under drafter-invariant sampling (`sampling_d3d`; the candidates are
+            then Gumbel top-k, a list sample without replacement, arXiv 2506.05632), so depth 1 of an `exact_first`
+            drafter is its top token, the target's own token at that position.
 
     Returns:
         `DraftTree`: at most `budget` nodes, parents first.
@@ -178,7 +184,14 @@ def build_draft_tree(
     stops = {int(t) for t in stop_tokens}
     estimate = acceptance if acceptance is not None else (lambda values: list(values))
     width = min(branching, probabilities.shape[1])
-    top_p, top_ids = probabilities.topk(width, dim=-1) if num_depths else (None, None)
+    if ranking is not None and ranking.shape != probabilities.shape:
+        raise ValueError(f"`ranking` must have the shape of `probabilities` {tuple(probabilities.shape)}, got "
+                         f"{tuple(ranking.shape)}.")
+    if ranking is not None and num_depths:
+        top_ids = ranking.topk(width, dim=-1).indices.to(probabilities.device)
+        top_p = probabilities.gather(1, top_ids)
+    else:
+        top_p, top_ids = probabilities.topk(width, dim=-1) if num_depths else (None, None)
     top_accept = [estimate(row) for row in top_p.float().tolist()] if num_depths else []
     top_ids = top_ids.tolist() if num_depths else []
     first_sample = None

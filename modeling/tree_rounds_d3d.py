@@ -126,12 +126,18 @@ class TreeRounds:
             tokens = lookup[0].tolist()
             extra.append((tokens, policy.lookup.probabilities(len(tokens), ngram_size or None)))
         exact_first = bool(getattr(self.drafter.config, "shares_target_weights", False))
+        ranking = None
+        if proposer.do_sample and proposer.noise is not None:  # drafter-invariant sampling: Gumbel top-k per depth
+            start = input_ids.shape[1]
+            log_q = torch.cat(scores, dim=0).log_softmax(dim=-1)
+            ranking = proposer.noise.perturb(log_q, range(start, start + len(scores)))
         tree = build_draft_tree(
             probabilities,
             budget,
             acceptance=policy.calibrator.probabilities,
             exact_first=exact_first,
-            sample_first=exact_first and proposer.do_sample,
+            sample_first=exact_first and proposer.do_sample and ranking is None,
+            ranking=ranking,
             extra_chains=extra,
             branching=self.branching,
             stop_tokens=proposer.eos_token_ids,

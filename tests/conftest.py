@@ -102,11 +102,8 @@ def tiny_folders(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _engine_defaults(monkeypatch, tmp_path_factory):
-    """Every test gets a private calibration cache (`D3D_HF_CACHE`), and D3D drafts a full block every round unless a
-    test asks for the cost-aware engine (`d3d_num_drafts="adaptive"`, tests/test_policy_engine.py): most tests check
-    the drafting machinery (masks, caches, async hits, processors, stop strings), which the adaptive engine would
-    often skip on tiny models whose drafter costs as much as the target."""
-    from d3d_hf.modeling.options_d3d import D3DGenerationOptions
-
+def _calibration_cache(monkeypatch, tmp_path_factory):
+    """Every test gets a private calibration cache (`D3D_HF_CACHE`). Tests run the engine a user gets (adaptive,
+    prompt lookup on, drafter-invariant sampling); a test that needs a fixed plan (a known round structure, a draft
+    pass every round) pins it with `d3d_num_drafts` and says why."""
     monkeypatch.setenv("D3D_HF_CACHE", str(tmp_path_factory.getbasetemp() / "d3d_hf_cache"))

@@ -75,8 +75,9 @@ class _Instrumented:
     holds exactly the committed sequence (same keys as a fresh causal pass over it) and that the drafts fit the
     length budget. Records the drafts of every round."""
 
-    def __init__(self, drafter):
+    def __init__(self, drafter, check_cache=True):
         self.drafter = drafter
+        self.check_cache = check_cache  # the drafter's own cache (fixed plans; the adaptive engine skips passes)
         self.rounds = []  # (committed length, number of drafts)
         self.generator = None
         self._build = drafter.build_candidate_generator
@@ -100,8 +101,9 @@ class _Instrumented:
             # after a draft pass the cache holds exactly the committed tokens (the masks are rolled back); a round
             # without drafts may still commit what a joined asynchronous pass verified (a prefix of them)
             after = cache.get_seq_length()
-            assert after == cur_len if num_drafts > 0 else before <= after <= cur_len
-            if after > 0:
+            if self.check_cache:
+                assert after == cur_len if num_drafts > 0 else before <= after <= cur_len
+            if after > 0 and self.check_cache:
                 fresh = D3DCache()
                 with torch.no_grad():
                     self.drafter(
@@ -128,14 +130,17 @@ def test_greedy_is_lossless(family, block_size, num_layers):
     for seed in range(3):
         ids = random_prompt(5 + seed, seed=seed)
         ref = _greedy(target, ids)
-        out = _greedy(target, ids, drafter)
+        out = _greedy(target, ids, drafter)  # the default engine (adaptive, prompt lookup on)
         assert torch.equal(out, ref)
         stats = drafter.last_generation_stats
         assert stats.new_tokens == ref.shape[1] - ids.shape[1]
         if block_size == 1:
             assert stats.rounds == stats.new_tokens and stats.drafted_tokens == 0
         if num_layers is None and block_size > 1:
-            # a full copy of the target drafts d1 exactly as the target would (the last round may be cut by eos)
+            # a full copy of the target drafts d1 exactly as the target would (the last round may be cut by eos);
+            # a fixed plan, so that every round drafts
+            assert torch.equal(_greedy(target, ids, drafter, d3d_num_drafts="full"), ref)
+            stats = drafter.last_generation_stats
             assert min(stats.acceptance_lengths[:-1], default=2) >= 2
 
 
@@ -261,7 +266,7 @@ def decoding_cases(draw):
         new_tokens=draw(st.integers(1, 24)),
         eos=draw(st.one_of(st.sampled_from(["none", "config"]), st.integers(0, 23))),
         eos_as_list=draw(st.booleans()),
-        asynchronous=draw(st.booleans()),
+        plan=draw(st.sampled_from(["default", "full", "async"])),
         num_hypotheses=draw(st.integers(1, 9)),
     )
 
@@ -269,16 +274,20 @@ def decoding_cases(draw):
 @PROPERTY_SETTINGS
 @given(case=decoding_cases())
 def test_property_greedy_with_drafter_is_target_alone(case):
-    """Random tiny models, prompts, block sizes, lengths, eos positions, synchronous or asynchronous drafting (1..B
-    hypotheses): greedy output with the drafter equals the target's own output, never exceeds `max_new_tokens` /
-    `max_length`, and the streamer receives exactly the
-    returned tokens (the prompt, then one chunk per verification round of `acceptance_lengths` tokens)."""
+    """Random tiny models, prompts, block sizes, lengths, eos positions, and plans: the default engine (adaptive,
+    prompt lookup on), a full block every round, or asynchronous drafting (1..B hypotheses): greedy output with the
+    drafter equals the target's own output, never exceeds `max_new_tokens` / `max_length`, and the streamer receives
+    exactly the returned tokens (the prompt, then one chunk per verification round of `acceptance_lengths` tokens).
+    The fixed plans pin a draft pass every round so that the instrument can check the drafter's cache after each."""
     target = tiny_target(case["family"], vocab_size=case["vocab_size"], seed=case["seed"], sharpen=case["sharpen"])
     drafter = D3DForDiffusionDrafting.from_autoregressive(
         target, num_layers=case["num_layers"], block_size=case["block_size"], mask_token_id=case["mask_token_id"]
     )
-    if case["asynchronous"]:  # packed successor drafting; the instrument checks every committed packed key
+    if case["plan"] == "full":
+        drafter.generation_config.d3d_num_drafts = "full"
+    elif case["plan"] == "async":  # packed successor drafting; the instrument checks every committed packed key
         drafter.generation_config.d3d_async = True
+        drafter.generation_config.d3d_num_drafts = "full"
         drafter.generation_config.d3d_num_hypotheses = min(case["num_hypotheses"], case["block_size"])
     ids = torch.tensor([case["prompt"]])
     prompt_len = ids.shape[1]
@@ -299,7 +308,7 @@ def test_property_greedy_with_drafter_is_target_alone(case):
 
     ref_stream, stream = _Recorder(), _Recorder()
     ref = _greedy(target, ids, streamer=ref_stream, **kwargs)
-    instrumented = _Instrumented(drafter)
+    instrumented = _Instrumented(drafter, check_cache=case["plan"] != "default")
     out = _greedy(target, ids, drafter, streamer=stream, **kwargs)
 
     assert torch.equal(out, ref)
@@ -317,6 +326,7 @@ def test_property_greedy_with_drafter_is_target_alone(case):
     event(f"a full block accepted: {case['block_size'] > 1 and case['block_size'] in stats.acceptance_lengths}")
     event(f"stopped by: {'eos' if new < case['new_tokens'] else 'length'}")
     event(f"async packed blocks used: {stats.hits > 0}")
+    event(f"round sources: {sorted(set(stats.round_sources))}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -342,7 +352,9 @@ def test_target_emitting_the_mask_or_filler_id_keeps_it(mask_token_id, preferred
         ids = random_prompt(6, seed=seed)
         ref = _greedy(target, ids, max_new_tokens=32, eos_token_id=None, pad_token_id=1)
         instrumented.rounds.clear()
-        out = _greedy(target, ids, drafter, max_new_tokens=32, eos_token_id=None, pad_token_id=1)
+        # a fixed plan: every round drafts (the adaptive engine may take plain steps or lookup rounds instead)
+        out = _greedy(target, ids, drafter, max_new_tokens=32, eos_token_id=None, pad_token_id=1,
+                      d3d_num_drafts="full")
         assert torch.equal(out, ref)
         assert out[0, ids.shape[1] :].tolist().count(preferred) >= 4
         stats = drafter.last_generation_stats
@@ -367,7 +379,8 @@ def test_every_draft_rejected():
     ids = random_prompt(5, seed=3)
     ref = _greedy(target, ids, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
     instrumented = _Instrumented(drafter)
-    out = _greedy(target, ids, drafter, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
+    # a fixed plan: the adaptive engine would soon stop drafting for a drafter that is never accepted
+    out = _greedy(target, ids, drafter, max_new_tokens=20, eos_token_id=None, pad_token_id=0, d3d_num_drafts="full")
     assert torch.equal(out, ref)
     stats = drafter.last_generation_stats
     assert stats.accepted_drafts == 0 and stats.acceptance_lengths == [1] * 20
@@ -392,7 +405,8 @@ def test_every_draft_accepted_up_to_exactly_the_budget(block_size, budget, limit
     ids = random_prompt(4, seed=1)
     length = dict(max_new_tokens=budget) if limit == "max_new_tokens" else dict(max_length=ids.shape[1] + budget)
     instrumented = _Instrumented(drafter)
-    out = _greedy(target, ids, drafter, eos_token_id=None, pad_token_id=0, **length)
+    # a fixed plan: full blocks every round, so the expected round structure is known
+    out = _greedy(target, ids, drafter, eos_token_id=None, pad_token_id=0, d3d_num_drafts="full", **length)
     assert out[0, ids.shape[1] :].tolist() == [9] * budget
     full, rest = divmod(budget, block_size)
     expected = [block_size] * full + ([rest] if rest else [])
@@ -525,11 +539,20 @@ def _exact_two_token_distribution(target, ids, temperature, top_k):
     return p1[:, None] * p2
 
 
-@pytest.mark.parametrize("options", [{}, {"d3d_async": True, "d3d_num_hypotheses": 4, "d3d_reuse_on_miss": True}],
-                         ids=["sync", "async"])
-def test_sampling_preserves_the_target_distribution(options):
-    """Chi-square goodness of fit of 2-token samples drawn with the drafter against the exact target law (in async
-    mode the second token's draft, after a rejected first draft, comes from the packed successor pass)."""
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"d3d_num_drafts": "full"},
+        {"d3d_async": True, "d3d_num_drafts": "full", "d3d_num_hypotheses": 4, "d3d_reuse_on_miss": True},
+    ],
+    ids=["sync", "async"],
+)
+def test_speculative_sampling_preserves_the_target_distribution(options):
+    """`d3d_sampling="speculative"` (the default is drafter-invariant sampling: tests/test_sampling.py): chi-square
+    goodness of fit of 2-token samples drawn with the drafter against the exact target law (in async mode the second
+    token's draft, after a rejected first draft, comes from the packed successor pass). A fixed plan, so that every
+    round drafts and rejections are exercised."""
+    options = {**options, "d3d_sampling": "speculative"}
     vocab = 8
     target = tiny_target("qwen3", vocab_size=vocab, seed=11, sharpen=10.0)
     target.generation_config.eos_token_id = None
@@ -552,7 +575,8 @@ def test_sampling_preserves_the_target_distribution(options):
         rejected += stats.accepted_drafts < stats.drafted_tokens
         packed_used += stats.hits + stats.reused
     assert rejected > n // 10, "the drafter must disagree with the target often enough to exercise rejection"
-    if options:
+    assert stats.options.sampling == "speculative"
+    if options.get("d3d_async"):
         assert packed_used > n // 10, "the packed successor blocks must be used often enough to be tested"
     p_value = chi_square_p_value(counts, exact, n)
     assert p_value > 1e-3, f"p={p_value:.2e}"

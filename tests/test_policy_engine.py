@@ -4,11 +4,12 @@ sampling), the policy steps aside when drafting cannot pay, calibrations are key
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from _tiny import chi_square_p_value, random_prompt, tiny_target
 from d3d_hf.modeling import calibration_d3d
-from d3d_hf.modeling.options_d3d import D3DGenerationOptions
 from d3d_hf.modeling.estimates_d3d import CostCurve
 from d3d_hf.modeling.policy_d3d import DraftPolicy, RoundDecision
 from transformers import GenerationConfig
@@ -17,9 +18,8 @@ from d3d_hf import D3DForDiffusionDrafting
 
 
 @pytest.fixture(autouse=True)
-def _adaptive(monkeypatch):
-    """These tests are about the adaptive engine (conftest makes full blocks the default elsewhere)."""
-    monkeypatch.setattr(D3DGenerationOptions.__dataclass_fields__["num_drafts"], "default", "adaptive")  # TEMP-PIN
+def _fresh_policies(monkeypatch):
+    """Every test starts with no calibrated policy in memory (a new process)."""
     monkeypatch.setattr(calibration_d3d, "_POLICIES", {})
 
 
@@ -158,7 +158,14 @@ def test_calibration_is_measured_once_keyed_and_restored_from_disk(monkeypatch):
     drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
     measured = []
     real = calibration_d3d.measure_cost_curves
-    monkeypatch.setattr(calibration_d3d, "measure_cost_curves", lambda *a, **k: measured.append(1) or real(*a, **k))
+    def counted(*a, **k):  # full calibrations only (not the one-row drift check of a restored one)
+        if k.get("rows") is None:
+            measured.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(calibration_d3d, "measure_cost_curves", counted)
+    # a measurement disturbed by other jobs is redone (tested below); here every measurement counts as plausible
+    monkeypatch.setattr(calibration_d3d, "_plausible", lambda verify, draft: verify is not None)
     ids = random_prompt(7)
     _greedy(target, ids, drafter, max_new_tokens=8)
     _greedy(target, ids, drafter, max_new_tokens=8)
@@ -181,17 +188,23 @@ def test_calibration_is_measured_once_keyed_and_restored_from_disk(monkeypatch):
     assert len(measured) == 5 and len(calibration_d3d._POLICIES) == 5
 
 
-def test_adaptive_async_steps_aside_on_cpu_and_fixed_modes_keep_it():
+def test_async_auto_steps_aside_on_cpu_and_true_runs_the_packed_pass():
+    """`d3d_async="auto"` (the default) drafts synchronously on CPU and says why; `True` is honoured (the adaptive
+    plan it replaces is recorded as an override)."""
     target = tiny_target("llama", sharpen=4.0)
     drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
     ids = random_prompt(9)
     ref = _greedy(target, ids, max_new_tokens=16)
-    assert torch.equal(_greedy(target, ids, drafter, max_new_tokens=16, d3d_async=True), ref)
+    assert torch.equal(_greedy(target, ids, drafter, max_new_tokens=16), ref)
     stats = drafter.last_generation_stats
     assert not stats.asynchronous and "cpu" in stats.asynchronous_off_reason
-    assert torch.equal(_greedy(target, ids, drafter, max_new_tokens=16, d3d_async=True, d3d_num_drafts="full"), ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the once-per-process CPU warning: tests/test_options.py
+        out = _greedy(target, ids, drafter, max_new_tokens=16, d3d_async=True)
+    assert torch.equal(out, ref)
     stats = drafter.last_generation_stats
     assert stats.asynchronous and stats.hits + stats.reused + stats.misses > 0 and stats.policy == "3"
+    assert stats.overrides["d3d_num_drafts"].startswith("adaptive -> full")
 
 
 @pytest.mark.parametrize("value", ["fast", -1, 4, 1.5, True])
@@ -234,6 +247,40 @@ def test_a_disturbed_calibration_is_measured_again_and_a_stored_one_replaced(mon
     results[:] = [good]
     policy, _ = calibration_d3d.policy_for(target, drafter)
     assert not results and policy.verify_curve(2) == pytest.approx(0.012)
+
+
+def test_a_stale_calibration_is_measured_again_at_its_first_use(monkeypatch, tmp_path):
+    """A stored calibration is checked by one-row target forwards when a process first uses it: within the margin it
+    is kept, beyond it (the machine got slower or faster) the curves are measured again and stored."""
+    monkeypatch.setenv("D3D_HF_CACHE", str(tmp_path))
+    target = tiny_target("llama")
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    calls, one_row = [], [0.0]
+
+    def fake(*args, rows=None, **kwargs):
+        calls.append("check" if rows == (1,) else "full")
+        if rows == (1,):
+            return CostCurve({1: one_row[0]}), CostCurve({1: one_row[0]})
+        scale = one_row[0] / 0.01 if one_row[0] else 1.0
+        return CostCurve({1: 0.01 * scale, 2: 0.012 * scale, 16: 0.02 * scale}), CostCurve({1: 0.01, 16: 0.02})
+
+    monkeypatch.setattr(calibration_d3d, "measure_cost_curves", fake)
+    calibration_d3d.policy_for(target, drafter)
+    assert calls == ["full"]
+    calibration_d3d._POLICIES.clear()  # a new process, the machine as it was: kept
+    one_row[0] = 0.0115
+    policy, _ = calibration_d3d.policy_for(target, drafter)
+    assert calls == ["full", "check"] and policy.verify_curve(1) == pytest.approx(0.01)
+    calibration_d3d._POLICIES.clear()  # a new process on a machine twice as slow: measured again and stored
+    one_row[0] = 0.02
+    policy, key = calibration_d3d.policy_for(target, drafter)
+    assert calls == ["full", "check", "check", "full"] and policy.verify_curve(1) == pytest.approx(0.02)
+    calibration_d3d._POLICIES.clear()
+    policy, _ = calibration_d3d.policy_for(target, drafter)  # the new curves were stored: no drift now
+    assert calls[-1] == "check" and policy.verify_curve(1) == pytest.approx(0.02)
+    calibration_d3d._POLICIES.clear()
+    calibration_d3d.policy_for(target, drafter, drift_margin=None)
+    assert calls[-1] == "check" and len(calls) == 5, "no check without a margin"
 
 
 def test_calibration_key_follows_the_targets_attention(monkeypatch, tmp_path):

@@ -41,6 +41,7 @@ def test_offline_acceptance_equals_real_decoding(block_size, max_new_tokens):
             assistant_model=drafter,
             max_new_tokens=max_new_tokens,
             do_sample=False,
+            d3d_num_drafts="full",  # the replay measures the drafter at full blocks: the real run must draft them
         )
         stats = drafter.last_generation_stats
         continuation = out[0, ids.shape[1] :].tolist()
@@ -57,7 +58,8 @@ def test_offline_acceptance_stops_at_eos_like_generate():
     for stop in (0, 3, 9):
         target.generation_config.eos_token_id = free[0, prompt.shape[1] + stop].item()
         out = target.generate(
-            prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter, max_new_tokens=30, do_sample=False
+            prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter, max_new_tokens=30, do_sample=False,
+            d3d_num_drafts="full",  # a fixed plan, as the replay's
         )
         continuation = out[0, prompt.shape[1] :].tolist()
         replay = offline_acceptance(

@@ -622,10 +622,7 @@ def _assert_two_processes_match_one(tmp_path):
 def test_tau_during_training_measures_the_drafter_not_the_engine(target, dataset, tmp_path, monkeypatch):
     """measure_tau verifies a full block every round whatever the engine's default (the cost-aware engine would mix
     in target steps and lookup rounds chosen by this machine's timings)."""
-    from d3d_hf.modeling.options_d3d import D3DGenerationOptions
-
-    monkeypatch.setattr(D3DGenerationOptions.__dataclass_fields__["num_drafts"], "default", "adaptive")  # TEMP-PIN
-    drafter = _drafter(target)
+    drafter = _drafter(target)  # the default engine is the adaptive one
     config = _config(tmp_path, max_steps=1, tau_eval_steps=1, tau_eval_max_new_tokens=12)
     trainer = D3DTrainer(drafter, config, train_dataset=dataset, processing_class=TOKENIZER, target=target,
                          tau_prompts=[random_prompt(6, seed=70)])

@@ -355,6 +355,10 @@ def test_tree_sampling_preserves_the_target_distribution(shares):
     else:
         drafter = D3DForDiffusionDrafting.from_autoregressive(target, num_layers=1, block_size=4)
     drafter.generation_config.d3d_tree_budget = 5
+    # speculative tree sampling (drafter-invariant sampling's exactness: tests/test_sampling.py), with a fixed plan so
+    # that every round builds a tree
+    drafter.generation_config.d3d_sampling = "speculative"
+    drafter.generation_config.d3d_num_drafts = "full"
     ids = torch.tensor([[3, 5, 4]])
     temperature = 0.9
     exact = _exact_two_token_distribution(target, ids, temperature).flatten()

@@ -414,6 +414,12 @@ def _register_d3d_variant(name: str, description: str, **options: Any) -> None:
 
 
 _register_d3d_variant(
+    "engine-lookup",
+    "the default D3D engine with its drafter never drafting (plain target steps and the engine's sized prompt-lookup "
+    "rounds, same calibration): what `d3d` adds over it is the drafter's contribution",
+    d3d_draft_passes=False,
+)
+_register_d3d_variant(
     "d3d-own-cache",
     "D3D (chain rounds) with the drafter's own cache: committed tokens re-run by the drafter (the ablation of "
     "`d3d_share_target_cache`)",
@@ -518,14 +524,23 @@ def summarize(runs: Sequence[PromptRun], reference: Sequence[PromptRun]) -> dict
 
 
 def _round_plan_summary(runs: Sequence[PromptRun]) -> dict[str, Any]:
-    """`round_sources` (rounds per candidate source) and `candidates_histogram` (rounds per number of candidates
-    sent, the chosen `k`) over the runs that record them; empty otherwise."""
+    """`round_sources` (rounds per candidate source), `tokens_by_source` (committed tokens per source of their
+    round's candidates, bonus tokens included), `drafter_token_share` (the share of committed tokens that came from
+    drafter rounds) and `candidates_histogram` (rounds per number of candidates sent, the chosen `k`) over the runs
+    that record them; empty otherwise."""
     sources = [source for r in runs for source in r.round_sources]
     if not sources:
         return {}
     counts = Counter(k for r in runs for k in r.round_candidates)
+    tokens = Counter()
+    for r in runs:
+        for source, length in zip(r.round_sources, r.acceptance_lengths, strict=False):
+            tokens[source] += length
+    committed = sum(tokens.values())
     return {
         "round_sources": dict(sorted(Counter(sources).items())),
+        "tokens_by_source": dict(sorted(tokens.items())),
+        "drafter_token_share": tokens["drafter"] / committed if committed else 0.0,
         "candidates_histogram": {str(k): counts[k] for k in sorted(counts)},
     }
 
@@ -536,14 +551,19 @@ def format_round_plans(summary: dict[str, dict[str, Any]]) -> str:
     rows = [(m, s) for m, s in summary.items() if s.get("round_sources")]
     if not rows:
         return ""
-    lines = ["| method | target steps | lookup rounds | drafter rounds | rounds by candidates sent (k: rounds) |"]
-    lines.append("|---|---|---|---|---|")
+    lines = [
+        "| method | target steps | lookup rounds | drafter rounds | tokens from drafter rounds "
+        "| rounds by candidates sent (k: rounds) |"
+    ]
+    lines.append("|---|---|---|---|---|---|")
     for method, s in rows:
         sources = s["round_sources"]
         histogram = ", ".join(f"{k}: {n}" for k, n in s["candidates_histogram"].items())
+        share = s.get("drafter_token_share")
+        share_text = "" if share is None else f"{100 * share:.0f}%"
         lines.append(
             f"| `{method}` | {sources.get('target', 0)} | {sources.get('lookup', 0)} | {sources.get('drafter', 0)} "
-            f"| {histogram} |"
+            f"| {share_text} | {histogram} |"
         )
     return "\n".join(lines)
 
