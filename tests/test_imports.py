@@ -5,6 +5,7 @@ and bundle files of a readable size. Read from the source with `ast`; nothing is
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,3 +120,15 @@ def test_bundle_files_stay_readable():
     sizes = {path.name: len(path.read_text(encoding="utf-8").splitlines()) for path in (ROOT / "modeling").glob("*.py")}
     assert {name: n for name, n in sizes.items() if n > MAX_BUNDLE_LINES} == {}
     assert sizes["modeling_d3d.py"] <= MAX_MODELING_LINES
+
+
+def test_architecture_lists_the_bundle_in_import_order():
+    """docs/ARCHITECTURE.md's table of `modeling/` lists every bundle file once, each after the files it imports."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    listed = re.findall(r"^\| `(\w+)\.py` \|", text, flags=re.MULTILINE)
+    files = sorted(path.stem for path in (ROOT / "modeling").glob("*.py") if path.stem != "__init__")
+    assert sorted(listed) == files, "add or remove rows of the table"
+    graph = import_graph()
+    for i, name in enumerate(listed):
+        imported = {m.rsplit(".", 1)[-1] for m in graph[f"d3d_hf.modeling.{name}"] if m.startswith("d3d_hf.modeling.")}
+        assert imported <= set(listed[:i]), f"{name} imports {sorted(imported - set(listed[:i]))} listed below it"
