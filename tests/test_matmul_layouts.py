@@ -2,12 +2,12 @@
 give `nn.functional.linear`'s values, the faster one (by the clock) is kept per key, and draft passes, the LM head
 and the cost calibration use it only where they should."""
 
-import d3d_hf.fast_paths.calibration_d3d as calibration_d3d
-import d3d_hf.fast_paths.fast_paths_d3d as fast_paths
+import d3d_hf.modeling.calibration_d3d as calibration_d3d
+import d3d_hf.modeling.fast_paths_d3d as fast_paths
 import pytest
 import torch
 from _tiny import random_prompt, tiny_target
-from d3d_hf.fast_paths.fast_paths_d3d import MatmulLayouts
+from d3d_hf.modeling.fast_paths_d3d import MatmulLayouts
 
 from d3d_hf import D3DCache, D3DForDiffusionDrafting
 
