@@ -20,7 +20,8 @@ import statistics
 import time
 from contextlib import nullcontext
 
-import d3d_hf.modeling.modeling_d3d as modeling
+import d3d_hf.modeling.fast_paths_d3d as fast_paths
+import d3d_hf.modeling.modeling_d3d as modeling_d3d
 import torch
 from _common import add_timing_arguments, emit, layout_table
 from d3d_hf.modeling.calibration_d3d import cpu_model
@@ -70,8 +71,8 @@ def main() -> None:
     target, _ = load_target("smollm2-135m-instruct", dtype=args.dtype)
     drafter = load_drafter(args.drafter, dtype=args.dtype)
     drafter.attach_target_weights(target)
-    fused_rule = modeling._fused_adapters_apply
-    gqa_attention = modeling.gqa_sdpa_attention_forward
+    fused_rule = fast_paths._fused_adapters_apply
+    gqa_attention = modeling_d3d.gqa_sdpa_attention_forward  # the drafter's: `D3DModel.forward` reads this name
     variants = ("target", "fused projections", "untuned", "fused adapters", "per-projection", "no adapters")
     if args.only_default:
         variants = variants[:2]
@@ -91,7 +92,7 @@ def main() -> None:
                 for variant in random.Random(rep * 100 + q).sample(variants, len(variants)):  # no fixed order
                     start = time.perf_counter()
                     if variant in ("target", "target gqa"):
-                        with modeling.target_gqa_attention(target) if variant == "target gqa" else nullcontext():
+                        with fast_paths.target_gqa_attention(target) if variant == "target gqa" else nullcontext():
                             target(input_ids=rows, cache=target_cache, use_cache=True)
                         elapsed = time.perf_counter() - start
                         target_cache.crop(-q)
@@ -101,18 +102,18 @@ def main() -> None:
                         drafter.model._fused_projections = default or variant == "untuned"  # kept built
                         drafter.model.autotune_matmuls = default or variant == "fused adapters"
                         if variant == "repeat-kv attention":
-                            modeling.gqa_sdpa_attention_forward = modeling.ALL_ATTENTION_FUNCTIONS["sdpa"]
+                            modeling_d3d.gqa_sdpa_attention_forward = modeling_d3d.ALL_ATTENTION_FUNCTIONS["sdpa"]
                         if variant == "no adapters":
                             drafter.config.block_lora_rank = 0
                         elif variant == "per-projection":
-                            modeling._fused_adapters_apply = lambda projections, rows: False
+                            fast_paths._fused_adapters_apply = lambda projections, rows: False
                         try:
                             drafter.draft_logits(anchor, cache, num_masks=q - 1)  # 1 committed token + q - 1 masks
                             elapsed = time.perf_counter() - start
                         finally:
                             drafter.config.block_lora_rank = rank
-                            modeling._fused_adapters_apply = fused_rule
-                            modeling.gqa_sdpa_attention_forward = gqa_attention
+                            fast_paths._fused_adapters_apply = fused_rule
+                            modeling_d3d.gqa_sdpa_attention_forward = gqa_attention
                         cache.crop(args.context)
                     if rep >= WARMUP:
                         times[(variant, q)].append(elapsed)
@@ -136,7 +137,7 @@ def main() -> None:
             t = statistics.median(times[(variant, q)])
             cells.append(f"{1e3 * t:.1f} ({t / base:.2f}x)")
         lines.append(f"| {q} | " + " | ".join(cells) + " |")
-    lines += layout_table(modeling.MATMUL_LAYOUTS.choices, ROWS)
+    lines += layout_table(fast_paths.MATMUL_LAYOUTS.choices, ROWS)
     emit(lines, args.output)
 
 

@@ -18,7 +18,7 @@ import time
 import torch
 from _common import emit
 from d3d_hf.modeling.calibration_d3d import cpu_model
-from d3d_hf.modeling.modeling_d3d import MatmulLayouts
+from d3d_hf.modeling.fast_paths_d3d import MatmulLayouts
 
 # (name, out_features, in_features, weights): SmolLM2-135M (hidden 576, 9 heads of 64, 3 kv heads, MLP 1536, 30
 # layers, vocabulary 49152) with rank-8 block adapters, in the fused layout of `FusedProjections`

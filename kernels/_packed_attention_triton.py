@@ -165,7 +165,7 @@ def _packed_attention_fwd_kernel(
             s_ok = offs_s < num_tokens
             seg_k = tl.load(SegmentIds + offs_s, mask=s_ok, other=-1).to(tl.int32)
             pos_k = tl.load(Positions + offs_s, mask=s_ok, other=0).to(tl.int32)
-            # packed_attention_mask (modeling_d3d.py): chain keys below the query's chain length, or the query's
+            # packed_attention_mask (drafting_d3d.py): chain keys below the query's chain length, or the query's
             # own successor block, where the block's first token (position 0) attends only to itself.
             chain = (seg_k[None, :] == 0) & (pos_k[None, :] < chain_q[:, None])
             same_block = (seg_k[None, :] == seg_q[:, None]) & (seg_q[:, None] > 0)

@@ -482,7 +482,7 @@ def policy_for(
     """The adaptive `DraftPolicy` of a (target, drafter) pair on this machine, dtype, threads and device.
 
     `target_matmul_layouts`: whether the target's forwards run on `MatmulLayouts` (`d3d_target_matmul_layouts`; the
-    caller opens `modeling_d3d.target_matmul_layouts` around this call and the decoding): another verification cost
+    caller opens `fast_paths_d3d.target_matmul_layouts` around this call and the decoding): another verification cost
     curve, so another key.
 
     One policy per `calibration_key` lives in memory for the process, so what it learns in one `generate` call
@@ -513,7 +513,7 @@ def policy_for(
         "fused_projections": str(getattr(getattr(drafter, "model", None), "fused_projections", None)),
         "autotune_matmuls": str(getattr(getattr(drafter, "model", None), "autotune_matmuls", None)),
         "target_matmul_layouts": str(bool(target_matmul_layouts)),
-        # the target's attention function while calibrating (`modeling_d3d.target_gqa_attention` switches it)
+        # the target's attention function while calibrating (`fast_paths_d3d.target_gqa_attention` switches it)
         "target_attention": str(getattr(target.config, "_attn_implementation", None)),
     }
     key = calibration_key(**parts)

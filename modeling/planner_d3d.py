@@ -14,6 +14,7 @@ import torch
 
 from .calibration_d3d import CalibrationStore, policy_for
 from .drafting_d3d import D3DCache
+from .fast_paths_d3d import target_gqa_attention, target_matmul_layouts
 from .lookup_d3d import lookup_match
 from .options_d3d import D3DGenerationOptions
 from .policy_d3d import DraftPolicy
@@ -26,7 +27,6 @@ def target_forward_context(target, options: D3DGenerationOptions):
     `fast_paths_d3d.target_gqa_attention(target)` (multi-row forwards attend without copying keys/values per query
     head; bit-identical) unless `d3d_decoding_loop="transformers"`, and `fast_paths_d3d.target_matmul_layouts(target)`
     with `d3d_target_matmul_layouts=True`. Yields whether the attention was switched."""
-    from .modeling_d3d import target_gqa_attention, target_matmul_layouts  # MERGE-FIX: fast_paths_d3d
     with contextlib.ExitStack() as stack:
         switched = False
         if target is not None and options.decoding_loop == "d3d":

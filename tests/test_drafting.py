@@ -5,7 +5,7 @@ packed successor drafting (the packed attention mask, a packed pass against sync
 import pytest
 import torch
 from _tiny import perturbed_drafter, random_prompt, tiny_target
-from d3d_hf.modeling.modeling_d3d import draft_attention_mask, packed_attention_mask, packed_metadata
+from d3d_hf.modeling.drafting_d3d import draft_attention_mask, packed_attention_mask, packed_metadata
 
 from d3d_hf import D3DCache, D3DForDiffusionDrafting
 

@@ -257,7 +257,7 @@ def test_drafter_packed_pass_uses_the_kernel_and_matches_the_dense_mask(monkeypa
     """`packed_draft_logits` through the registered kernel (`packed_attention_implementation="kernel"`; on CPU under
     the interpreter) equals the dense-mask path; "auto" takes the kernel on CUDA only."""
     from d3d_hf.modeling import drafting_d3d
-    from d3d_hf.modeling.modeling_d3d import D3DCache
+    from d3d_hf.modeling.drafting_d3d import D3DCache
 
     from d3d_hf import D3DForDiffusionDrafting
 

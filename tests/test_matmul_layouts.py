@@ -3,11 +3,11 @@ give `nn.functional.linear`'s values, the faster one (by the clock) is kept per 
 and the cost calibration use it only where they should."""
 
 import d3d_hf.modeling.calibration_d3d as calibration_d3d
-import d3d_hf.modeling.modeling_d3d as modeling
+import d3d_hf.modeling.fast_paths_d3d as fast_paths
 import pytest
 import torch
 from _tiny import random_prompt, tiny_target
-from d3d_hf.modeling.modeling_d3d import MatmulLayouts
+from d3d_hf.modeling.fast_paths_d3d import MatmulLayouts
 
 from d3d_hf import D3DCache, D3DForDiffusionDrafting
 
@@ -119,18 +119,18 @@ def test_draft_passes_run_on_the_chosen_layouts_and_the_option_turns_them_off(mo
     drafter.model.fused_projections = fused_projections
     assert drafter.model.autotune_matmuls is True, "on by default"
     ids = random_prompt(7)
-    monkeypatch.setattr(modeling, "MATMUL_LAYOUTS", MatmulLayouts())
+    monkeypatch.setattr(fast_paths, "MATMUL_LAYOUTS", MatmulLayouts())
     drafter.model.autotune_matmuls = False
     reference = drafter.draft_logits(ids, D3DCache(), num_masks=3)
-    assert modeling.MATMUL_LAYOUTS.choices == {} and modeling.MATMUL_LAYOUTS.settled()
+    assert fast_paths.MATMUL_LAYOUTS.choices == {} and fast_paths.MATMUL_LAYOUTS.settled()
     drafter.model.autotune_matmuls = True
     for _ in range(8):
         out = drafter.draft_logits(ids, D3DCache(), num_masks=3)
         torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     before = drafter.model.matmul_layout_trials()
     drafter.draft_logits(ids, D3DCache(), num_masks=3)
-    assert drafter.model.matmul_layout_trials() == before and modeling.MATMUL_LAYOUTS.settled()
-    shapes = {key[0] for key in modeling.MATMUL_LAYOUTS.choices}
+    assert drafter.model.matmul_layout_trials() == before and fast_paths.MATMUL_LAYOUTS.settled()
+    shapes = {key[0] for key in fast_paths.MATMUL_LAYOUTS.choices}
     config = drafter.config
     assert (config.vocab_size, config.hidden_size) in shapes, "the LM head's matmul"
     if fused_projections:  # q/k/v in one weight with the adapters' A rows below
@@ -138,7 +138,7 @@ def test_draft_passes_run_on_the_chosen_layouts_and_the_option_turns_them_off(mo
         assert (q + 2 * kv + 3 * 4, config.hidden_size) in shapes
     else:
         assert (config.intermediate_size, config.hidden_size) in shapes, "gate/up on the shared weights"
-    assert {key[1] for key in modeling.MATMUL_LAYOUTS.choices} == {7 + 3, 3 + 1}, "the pass's rows, the logits' rows"
+    assert {key[1] for key in fast_paths.MATMUL_LAYOUTS.choices} == {7 + 3, 3 + 1}, "the pass's rows, the logits' rows"
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="autotune_matmuls"):
             drafter.model.autotune_matmuls = bad
@@ -147,25 +147,25 @@ def test_draft_passes_run_on_the_chosen_layouts_and_the_option_turns_them_off(mo
 def test_cost_calibration_times_draft_passes_after_the_layouts_are_chosen(monkeypatch):
     target = tiny_target("llama")
     drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
-    monkeypatch.setattr(modeling, "MATMUL_LAYOUTS", MatmulLayouts(samples=3))
+    monkeypatch.setattr(fast_paths, "MATMUL_LAYOUTS", MatmulLayouts(samples=3))
     calibration_d3d.measure_cost_curves(target, drafter, rows=(2, 3), context_length=8, repeats=1)
-    pending = {key[1] for key in modeling.MATMUL_LAYOUTS._trials}
+    pending = {key[1] for key in fast_paths.MATMUL_LAYOUTS._trials}
     assert not pending & {2, 3}, "the timed passes (1 + 1 or 1 + 2 rows, as many logits) ran on chosen layouts"
-    assert {2, 3} <= {key[1] for key in modeling.MATMUL_LAYOUTS.choices}
+    assert {2, 3} <= {key[1] for key in fast_paths.MATMUL_LAYOUTS.choices}
     assert pending <= {8, 1}, "the prefill's keys (8 rows, 1 row of logits), run once, may stay untimed"
 
 
 def test_drafters_without_adapters_and_passes_without_masks_run_on_chosen_layouts_too(monkeypatch):
     target = tiny_target("llama")
     drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4).eval()  # no block adapters
-    monkeypatch.setattr(modeling, "MATMUL_LAYOUTS", MatmulLayouts(samples=1))
+    monkeypatch.setattr(fast_paths, "MATMUL_LAYOUTS", MatmulLayouts(samples=1))
     ids = random_prompt(5)
     with torch.no_grad():
         reference = target(ids).logits[:, -1]
     out = drafter.draft_logits(ids, D3DCache(), num_masks=0)[:, -1]  # no masks: the committed rows only
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     config = drafter.config
-    layouts = modeling.MATMUL_LAYOUTS
+    layouts = fast_paths.MATMUL_LAYOUTS
     seen = {key[:2] for key in [*layouts.choices, *layouts._trials]}
     assert ((config.intermediate_size, config.hidden_size), 5) in seen
 
@@ -179,24 +179,24 @@ def _greedy(target, ids, drafter=None, max_new_tokens=24, **options):
 
 def test_target_matmul_layouts_route_the_targets_linears_and_restore_them(monkeypatch):
     target = tiny_target("llama").eval()
-    monkeypatch.setattr(modeling, "MATMUL_LAYOUTS", MatmulLayouts())
+    monkeypatch.setattr(fast_paths, "MATMUL_LAYOUTS", MatmulLayouts())
     linears = [m for m in target.modules() if type(m) is torch.nn.Linear]
     own = linears[0]
     own.forward = lambda x: torch.nn.functional.linear(x, own.weight, own.bias)  # e.g. an accelerate hook
-    with torch.no_grad(), modeling.target_matmul_layouts(target) as routed:
+    with torch.no_grad(), fast_paths.target_matmul_layouts(target) as routed:
         assert routed == linears[1:], "modules with an instance-level forward are left alone"
         target(random_prompt(1))  # one row: nn.Linear's own call, untimed
-        assert modeling.MATMUL_LAYOUTS.choices == {} and modeling.MATMUL_LAYOUTS.settled()
+        assert fast_paths.MATMUL_LAYOUTS.choices == {} and fast_paths.MATMUL_LAYOUTS.settled()
         out = target(random_prompt(3)).logits
     config = target.config
-    shapes = {key[0] for key in [*modeling.MATMUL_LAYOUTS.choices, *modeling.MATMUL_LAYOUTS._trials]}
+    shapes = {key[0] for key in [*fast_paths.MATMUL_LAYOUTS.choices, *fast_paths.MATMUL_LAYOUTS._trials]}
     assert {(config.vocab_size, config.hidden_size), (config.intermediate_size, config.hidden_size)} <= shapes
     assert all("forward" not in m.__dict__ for m in linears[1:]) and "forward" in own.__dict__
     with torch.no_grad():
         reference = target(random_prompt(3)).logits
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="inside"):
-        with modeling.target_matmul_layouts(target):
+        with fast_paths.target_matmul_layouts(target):
             raise RuntimeError("inside")
     assert all("forward" not in m.__dict__ for m in linears[1:]), "restored after an exception too"
 
@@ -205,7 +205,7 @@ def test_target_matmul_layouts_route_the_targets_linears_and_restore_them(monkey
 def test_greedy_with_the_targets_matmul_layouts_is_the_targets_own(monkeypatch, family):
     target = tiny_target(family, sharpen=4.0)
     drafter = D3DForDiffusionDrafting.from_autoregressive(target, num_layers=2, block_size=4)
-    monkeypatch.setattr(modeling, "MATMUL_LAYOUTS", MatmulLayouts(samples=1))
+    monkeypatch.setattr(fast_paths, "MATMUL_LAYOUTS", MatmulLayouts(samples=1))
     for seed in range(3):
         ids = random_prompt(6 + 3 * seed, seed=seed)
         reference = _greedy(target, ids)
@@ -218,7 +218,7 @@ def test_greedy_with_the_targets_matmul_layouts_is_the_targets_own(monkeypatch, 
     _greedy(target, random_prompt(8, seed=5), drafter, d3d_target_matmul_layouts=True, d3d_num_drafts=3)
     hook.remove()
     assert routed and all(routed), "the decoding loop's target forwards ran on the layouts"
-    shapes = {key[0] for key in [*modeling.MATMUL_LAYOUTS.choices, *modeling.MATMUL_LAYOUTS._trials]}
+    shapes = {key[0] for key in [*fast_paths.MATMUL_LAYOUTS.choices, *fast_paths.MATMUL_LAYOUTS._trials]}
     assert (target.config.vocab_size, target.config.hidden_size) in shapes, "the verification ran on the layouts"
     _greedy(target, random_prompt(6), drafter, d3d_num_drafts=3)
     assert not drafter.last_generation_stats.target_matmul_layouts, "off by default"
@@ -329,7 +329,7 @@ def test_bfloat16_draft_passes_on_packed_weights_match_nn_linear(monkeypatch, fu
     reference = drafter.draft_logits(ids, D3DCache(), num_masks=3)
     drafter.model.autotune_matmuls = True
     layouts = ScriptedLayouts({"x W^T": 1.0, "W x^T": 1.0, MatmulLayouts.PACKED: 0.5})
-    monkeypatch.setattr(modeling, "MATMUL_LAYOUTS", layouts)
+    monkeypatch.setattr(fast_paths, "MATMUL_LAYOUTS", layouts)
     for _ in range(12):
         out = drafter.draft_logits(ids, D3DCache(), num_masks=3)
         torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2)  # W x^T rounds differently in bfloat16

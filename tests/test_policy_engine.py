@@ -286,7 +286,7 @@ def test_a_stale_calibration_is_measured_again_at_its_first_use(monkeypatch, tmp
 def test_calibration_key_follows_the_targets_attention(monkeypatch, tmp_path):
     """The verify curve measured with the target on `gqa_sdpa_attention_forward` (D3D's loop) is another key than
     with transformers' `"sdpa"` (e.g. a calibration made outside `target_gqa_attention`)."""
-    import d3d_hf.modeling.modeling_d3d as modeling
+    import d3d_hf.modeling.fast_paths_d3d as fast_paths
 
     monkeypatch.setenv("D3D_HF_CACHE", str(tmp_path))
     target = tiny_target("llama")
@@ -294,7 +294,7 @@ def test_calibration_key_follows_the_targets_attention(monkeypatch, tmp_path):
     good = (CostCurve({1: 0.01, 2: 0.012, 16: 0.02}), CostCurve({1: 0.01, 16: 0.02}))
     monkeypatch.setattr(calibration_d3d, "measure_cost_curves", lambda *a, **k: good)
     _, plain = calibration_d3d.policy_for(target, drafter)
-    with modeling.target_gqa_attention(target) as switched:
+    with fast_paths.target_gqa_attention(target) as switched:
         _, gqa = calibration_d3d.policy_for(target, drafter)
     assert switched and plain != gqa
     assert calibration_d3d.policy_for(target, drafter)[1] == plain
@@ -322,9 +322,9 @@ class DrafterEveryRound(DraftPolicy):
 def test_passes_that_timed_matmul_layouts_are_not_learned_into_the_draft_curve(monkeypatch):
     """A draft pass during which `MatmulLayouts` still timed candidate layouts (a new row count) ran slower layouts
     than later passes will: the engine uses its time for the round but does not learn it."""
-    import d3d_hf.modeling.modeling_d3d as modeling
+    import d3d_hf.modeling.fast_paths_d3d as fast_paths
 
-    monkeypatch.setattr(modeling, "MATMUL_LAYOUTS", modeling.MatmulLayouts(samples=1))
+    monkeypatch.setattr(fast_paths, "MATMUL_LAYOUTS", fast_paths.MatmulLayouts(samples=1))
     target = tiny_target("llama", sharpen=4.0)
     drafter = D3DForDiffusionDrafting.from_autoregressive(target, num_layers=2, block_size=4)
     policy = drafter.draft_policy = DrafterEveryRound(3)
@@ -332,9 +332,9 @@ def test_passes_that_timed_matmul_layouts_are_not_learned_into_the_draft_curve(m
     draft_logits = drafter.draft_logits
 
     def recording_draft_logits(*args, **kwargs):
-        before = modeling.MATMUL_LAYOUTS.timed_calls
+        before = fast_paths.MATMUL_LAYOUTS.timed_calls
         out = draft_logits(*args, **kwargs)
-        timed_passes.append(modeling.MATMUL_LAYOUTS.timed_calls != before)
+        timed_passes.append(fast_paths.MATMUL_LAYOUTS.timed_calls != before)
         return out
 
     monkeypatch.setattr(drafter, "draft_logits", recording_draft_logits)
@@ -353,16 +353,16 @@ class RecordingVerify(DrafterEveryRound):
 
 
 def test_verifications_that_timed_the_targets_matmul_layouts_are_not_learned(monkeypatch):
-    import d3d_hf.modeling.modeling_d3d as modeling
+    import d3d_hf.modeling.fast_paths_d3d as fast_paths
 
-    monkeypatch.setattr(modeling, "MATMUL_LAYOUTS", modeling.MatmulLayouts(samples=1))
+    monkeypatch.setattr(fast_paths, "MATMUL_LAYOUTS", fast_paths.MatmulLayouts(samples=1))
     target = tiny_target("llama", sharpen=4.0)
     drafter = D3DForDiffusionDrafting.from_autoregressive(target, num_layers=2, block_size=4)
     policy = drafter.draft_policy = RecordingVerify(3)
     timed_forwards, before = [], []
-    target.register_forward_pre_hook(lambda module, args: before.append(modeling.MATMUL_LAYOUTS.timed_calls))
+    target.register_forward_pre_hook(lambda module, args: before.append(fast_paths.MATMUL_LAYOUTS.timed_calls))
     target.register_forward_hook(
-        lambda module, args, out: timed_forwards.append(modeling.MATMUL_LAYOUTS.timed_calls != before.pop())
+        lambda module, args, out: timed_forwards.append(fast_paths.MATMUL_LAYOUTS.timed_calls != before.pop())
     )
     ids = random_prompt(9)
     config = {"d3d_target_matmul_layouts": True, "d3d_prompt_lookup": False}

@@ -228,7 +228,7 @@ def _adapted(target, rank=6):
 
 
 def _updates(drafter):
-    from d3d_hf.modeling.modeling_d3d import D3DLinear
+    from d3d_hf.modeling.adapters_d3d import D3DLinear
 
     return {n: m.lora_scaling * m.lora_B @ m.lora_A for n, m in drafter.named_modules()
             if isinstance(m, D3DLinear) and m.rank > 0}

@@ -159,7 +159,7 @@ def test_shipped_drafter_fused_projections_on_smollm2(smollm2):
 def test_target_gqa_attention_verifications_are_bit_identical(smollm2):
     """SmolLM2 (9 query / 3 key-value heads) under `target_gqa_attention`: verification forwards of 2-16 rows over a
     cached prompt give transformers' logits bit for bit in float32."""
-    from d3d_hf.modeling.modeling_d3d import target_gqa_attention
+    from d3d_hf.modeling.fast_paths_d3d import target_gqa_attention
     from transformers import DynamicCache
 
     model, tokenizer = smollm2

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _tiny import crash_safetensors_writer, random_prompt, tiny_tokenizer
-from d3d_hf.modeling.modeling_d3d import draft_attention_mask
+from d3d_hf.modeling.drafting_d3d import draft_attention_mask
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 

@@ -43,7 +43,7 @@ DEFAULT_SHAPES = "16:3,16:7,16:15,16:31,16:63,32:1,32:3,32:7,32:15,32:31"
 
 
 def import_from_checkout() -> tuple[types.ModuleType, types.ModuleType]:
-    """`(d3d_hf.kernels, d3d_hf.modeling.modeling_d3d)` loaded from this checkout's `kernels/` and `modeling/`."""
+    """`(d3d_hf.kernels, d3d_hf.modeling.drafting_d3d)` loaded from this checkout's `kernels/` and `modeling/`."""
     package = types.ModuleType("d3d_hf")
     package.__path__ = [str(ROOT / "src" / "d3d_hf")]
     sys.modules["d3d_hf"] = package
@@ -55,7 +55,7 @@ def import_from_checkout() -> tuple[types.ModuleType, types.ModuleType]:
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
         setattr(package, name, module)
-    return sys.modules["d3d_hf.kernels"], sys.modules["d3d_hf.modeling.modeling_d3d"]
+    return sys.modules["d3d_hf.kernels"], sys.modules["d3d_hf.modeling.drafting_d3d"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -166,18 +166,18 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def bench_shape(args, kernels, modeling, timer, gen, device, dtype, prefix_length, block, hypotheses) -> dict:
+def bench_shape(args, kernels, drafting, timer, gen, device, dtype, prefix_length, block, hypotheses) -> dict:
     """Times and checks one (prefix length, block size, hypotheses) shape; returns its result row."""
     # The chain is the block - 1 drafts being verified; hypothesis m assumes m of them are accepted.
     chain = block - 1
-    meta = modeling.packed_metadata(chain, list(range(chain, chain - hypotheses, -1)), block, device=device)
+    meta = drafting.packed_metadata(chain, list(range(chain, chain - hypotheses, -1)), block, device=device)
     tokens = meta[0].shape[0]
     shape_q = (args.batch_size, args.heads, tokens, args.head_dim)
     shape_kv = (args.batch_size, args.kv_heads, prefix_length + tokens, args.head_dim)
     q = torch.randn(shape_q, generator=gen, device=device, dtype=dtype)
     k = torch.randn(shape_kv, generator=gen, device=device, dtype=dtype)
     v = torch.randn(shape_kv, generator=gen, device=device, dtype=dtype)
-    mask = modeling.packed_attention_mask(*meta, prefix_length)
+    mask = drafting.packed_attention_mask(*meta, prefix_length)
     gqa = args.heads != args.kv_heads
     calls = {
         "naive": lambda: kernels.packed_attention(q, k, v, *meta, backend="naive"),
@@ -231,14 +231,14 @@ def main(argv: list[str] | None = None) -> None:
     if not args.overwrite and (json_path.exists() or md_path.exists()):
         raise SystemExit(f"error: {json_path} or {md_path} exists; pass --overwrite to replace them.")
 
-    kernels, modeling = import_from_checkout()
+    kernels, drafting = import_from_checkout()
     dtype = getattr(torch, args.dtype)
     timer = make_timer(device, args.warmup, args.iters)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     rows = []
     for prefix_length in (int(p) for p in args.prefix_lengths.split(",")):
         for block, hypotheses in (packed_shape(s) for s in args.shapes.split(",")):
-            row = bench_shape(args, kernels, modeling, timer, gen, device, dtype, prefix_length, block, hypotheses)
+            row = bench_shape(args, kernels, drafting, timer, gen, device, dtype, prefix_length, block, hypotheses)
             rows.append(row)
             ms = row["median_ms"]
             print(

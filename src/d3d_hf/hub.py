@@ -3,8 +3,9 @@
 What a drafter folder holds (written by `drafter.save_pretrained(path, tokenizer=tok)`):
 
 - `model.safetensors` (or shards + index) and `config.json` with `auto_map` (transformers);
-- the remote-code bundle `configuration_d3d.py`, `modeling_d3d.py`, `generation_d3d.py` and their siblings (transformers copies them
-  because the classes are registered with `register_for_auto_class`);
+- the remote-code bundle: `configuration_d3d.py`, `modeling_d3d.py` and every sibling file they import, directly or
+  not (transformers copies them, following their relative imports, because the classes are registered with
+  `register_for_auto_class`: no list of bundle files is kept here);
 - tokenizer files when a tokenizer is given;
 - `README.md`, the model card rendered from `hub_cards/drafter_card.md.jinja` by `render_model_card`, and
   `d3d_card_data.json`, the data it was rendered from (`DrafterCardData`). The card is regenerated from data, never

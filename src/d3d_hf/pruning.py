@@ -35,7 +35,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .modeling import D3DForDiffusionDrafting
-from .modeling.modeling_d3d import D3DCache
+from .modeling.drafting_d3d import D3DCache
 from .utils import write_json_atomic
 
 STATE_FILE = "pruning_state.json"
@@ -213,7 +213,7 @@ def truncate_block_adapters(drafter: D3DForDiffusionDrafting, rank: int) -> dict
     Raises:
         ValueError: if the drafter has no block adapters, `rank` is out of range, or a projection is wrapped.
     """
-    from .modeling.modeling_d3d import D3DLinear
+    from .modeling.adapters_d3d import D3DLinear
 
     current = drafter.config.block_lora_rank
     if current <= 0:

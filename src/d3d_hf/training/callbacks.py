@@ -1,15 +1,23 @@
-"""Trainer callbacks of `D3DTrainer`: the collator's epoch, and tau measured during training."""
+"""Trainer callbacks of `D3DTrainer`: the collator's epoch, and tau measured during training.
+
+They know the trainer only through what they call on it (`TauMeasuring`), so this module does not import
+`trainer`, which imports it."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from transformers import TrainerCallback
 
 from .collator import D3DDataCollator
 
-if TYPE_CHECKING:
-    from .trainer import D3DTrainer
+
+class TauMeasuring(Protocol):
+    """What `TauCallback` calls on its trainer (`D3DTrainer` has both)."""
+
+    def measure_tau(self) -> float: ...
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None: ...
 
 
 class _EpochCallback(TrainerCallback):
@@ -26,7 +34,7 @@ class _EpochCallback(TrainerCallback):
 class TauCallback(TrainerCallback):
     """Every `tau_eval_steps` steps, measures tau through `target.generate(..., assistant_model=drafter)`."""
 
-    def __init__(self, trainer: D3DTrainer) -> None:
+    def __init__(self, trainer: TauMeasuring) -> None:
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):

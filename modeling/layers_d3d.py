@@ -1,0 +1,273 @@
+"""The layers of the D3D decoder stack, identical in layout to Llama/Qwen3 decoder layers: RoPE, the reference
+(eager) attention and the packed-kernel attention function, RMSNorm, the mask embedding, attention, SwiGLU MLP and
+the decoder layer (their projections are `D3DLinear`s, run through `fast_paths_d3d.project`).
+
+Part of the self-contained remote-code bundle: imports only torch, the public transformers API and its siblings.
+
+Attention convention: every attention mask handled here is boolean, `True` where a query may attend to a key, of
+shape `(batch_size, 1, query_len, key_len)`; `key_len` counts the cached tokens first, then the current ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from .adapters_d3d import D3DLinear
+from .configuration_d3d import D3DConfig
+from .drafting_d3d import D3DCache
+from .fast_paths_d3d import BlockRows, project
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Rotates half the hidden dims of `x` (RoPE helper)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Applies RoPE to `q`/`k` of shape `[B, H, T, D]` with `cos`/`sin` of shape `[B, T, D]`."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """`[B, H_kv, S, D]` -> `[B, H_kv * n_rep, S, D]` (grouped-query attention)."""
+    if n_rep == 1:
+        return hidden_states
+    b, h, s, d = hidden_states.shape
+    return hidden_states[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference attention. `query` `[B, H, T, D]`, `key`/`value` `[B, H_kv, S, D]`, boolean mask `[B, 1, T, S]`.
+
+    Returns the output `[B, T, H, D]` and the attention probabilities `[B, H, T, S]`.
+    """
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights.masked_fill(~attention_mask, torch.finfo(attn_weights.dtype).min)
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous()
+    return attn_output, attn_weights
+
+
+
+def kernel_attention_interface(kernel: Callable) -> Callable:
+    """A transformers-style attention function (`(module, query, key, value, attention_mask, scaling, ...)` ->
+    `(output [B, T, H, D], None)`) that runs a registered packed-attention kernel: `attention_mask` is then the
+    packed pass's metadata `(segment_ids, positions, chain_lengths)`, from which the kernel computes the tree mask
+    (`drafting_d3d.packed_attention_mask` states the rule)."""
+
+    def packed_kernel_attention(module, query, key, value, attention_mask, scaling, **kwargs):
+        return kernel(query, key, value, *attention_mask, scale=scaling).transpose(1, 2), None
+
+    return packed_kernel_attention
+
+
+def _projection(config: D3DConfig, name: str, in_features: int, out_features: int, bias: bool) -> D3DLinear:
+    """A `D3DLinear` with a block adapter when `name` is in `config.block_lora_modules` and the rank is > 0."""
+    rank = config.block_lora_rank if name in config.block_lora_modules else 0
+    return D3DLinear(in_features, out_features, bias, rank, config.block_lora_alpha)
+
+
+class D3DMaskEmbedding(nn.Module):
+    """The mask token's learned input embedding, `weight` of shape `(hidden_size,)`, kept outside the vocabulary.
+
+    A module (not a bare parameter) so that PEFT can train and save it (`modules_to_save=["mask_embedding"]`).
+    """
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+
+
+class D3DRMSNorm(nn.Module):
+    """Root-mean-square layer norm over the last dimension (computed in float32)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class D3DRotaryEmbedding(nn.Module):
+    """Rotary position embedding; `forward(x, position_ids)` returns `cos`, `sin` of shape `[B, T, head_dim]`."""
+
+    def __init__(self, config: D3DConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.rope_type = config.rope_parameters.get("rope_type", "default")
+        rope_init_fn: Callable = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = rope_init_fn(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: D3DConfig, device=None, **kwargs) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies of the original RoPE (`base ** (-2i / head_dim)`) and a unit scaling."""
+        base = config.rope_parameters["rope_theta"]
+        dim = config.head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+        return inv_freq, 1.0
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+class D3DAttention(nn.Module):
+    """Grouped-query self-attention with RoPE and optional Qwen3-style per-head q/k RMSNorm."""
+
+    def __init__(self, config: D3DConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = False  # the mask is always explicit
+        h, kv, bias = config.num_attention_heads, config.num_key_value_heads, config.attention_bias
+        self.q_proj = _projection(config, "q_proj", config.hidden_size, h * self.head_dim, bias)
+        self.k_proj = _projection(config, "k_proj", config.hidden_size, kv * self.head_dim, bias)
+        self.v_proj = _projection(config, "v_proj", config.hidden_size, kv * self.head_dim, bias)
+        self.o_proj = _projection(config, "o_proj", h * self.head_dim, config.hidden_size, bias)
+        if config.use_qk_norm:
+            self.q_norm = D3DRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = D3DRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self._adapter_cache, self._out_adapter_cache = {}, {}  # derived weights of each group (`project`)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor,
+        past_key_values: D3DCache | None = None,
+        block_rows: BlockRows | None = None,
+        attention_interface: Callable = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`attention_interface` is the attention function `D3DModel.forward` chose for this forward (transformers'
+        signature: `(module, query, key, value, attention_mask, scaling=..., dropout=...)` -> `(output [B, T, H, D],
+        weights or None)`); `eager_attention_forward` when `None`."""
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        outputs = project([self.q_proj, self.k_proj, self.v_proj], hidden_states, block_rows, self._adapter_cache)
+        query_states, key_states, value_states = (o.view(hidden_shape) for o in outputs)
+        if self.config.use_qk_norm:
+            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+        query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
+        value_states = value_states.transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+        attention_interface = attention_interface or eager_attention_forward
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.config.attention_dropout,
+            scaling=self.scaling,
+            is_causal=False,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return project([self.o_proj], attn_output, block_rows, self._out_adapter_cache)[0], attn_weights
+
+
+class D3DMLP(nn.Module):
+    """SwiGLU feed-forward block: `down(act(gate(x)) * up(x))`."""
+
+    def __init__(self, config: D3DConfig) -> None:
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = _projection(config, "gate_proj", hidden, inner, bias)
+        self.up_proj = _projection(config, "up_proj", hidden, inner, bias)
+        self.down_proj = _projection(config, "down_proj", inner, hidden, bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+        self._adapter_cache, self._out_adapter_cache = {}, {}  # derived weights of each group (`project`)
+
+    def forward(self, x: torch.Tensor, block_rows: BlockRows | None = None) -> torch.Tensor:
+        gate_out, up_out = project([self.gate_proj, self.up_proj], x, block_rows, self._adapter_cache)
+        hidden = self.act_fn(gate_out) * up_out
+        return project([self.down_proj], hidden, block_rows, self._out_adapter_cache)[0]
+
+
+class D3DDecoderLayer(nn.Module):
+    """Pre-norm transformer layer (attention + SwiGLU MLP), identical in layout to Llama/Qwen3 decoder layers."""
+
+    def __init__(self, config: D3DConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = D3DAttention(config, layer_idx)
+        self.mlp = D3DMLP(config)
+        self.input_layernorm = D3DRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = D3DRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor,
+        past_key_values: D3DCache | None = None,
+        block_rows: BlockRows | None = None,
+        attention_interface: Callable = None,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings,
+            attention_mask,
+            past_key_values,
+            block_rows,
+            attention_interface,
+        )
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states), block_rows)
+
+
+__all__ = [
+    "D3DAttention",
+    "D3DDecoderLayer",
+    "D3DMLP",
+    "D3DMaskEmbedding",
+    "D3DRMSNorm",
+    "D3DRotaryEmbedding",
+    "apply_rotary_pos_emb",
+    "eager_attention_forward",
+    "kernel_attention_interface",
+    "repeat_kv",
+]

@@ -1,0 +1,134 @@
+"""The import structure of the package (docs/ARCHITECTURE.md, "The rooms"): no import cycle between its own modules
+(counting imports inside functions and under `TYPE_CHECKING`), `modeling_d3d` at the top of the remote-code bundle,
+and bundle files of a readable size. Read from the source with `ast`; nothing is imported."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# where each part of the installed package `d3d_hf` lives in the checkout (pyproject.toml, `package-dir`)
+PACKAGE_DIRS = {
+    "d3d_hf": ROOT / "src" / "d3d_hf",
+    "d3d_hf.modeling": ROOT / "modeling",
+    "d3d_hf.kernels": ROOT / "kernels",
+}
+MAX_BUNDLE_LINES = 800
+MAX_MODELING_LINES = 650
+
+
+def _modules() -> dict[str, Path]:
+    """Module name -> file, for every Python file of the package (a package's own name for its `__init__.py`)."""
+    modules = {}
+    for package, folder in PACKAGE_DIRS.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join((package, *parts))] = path
+    return modules
+
+
+def _imported(node: ast.AST, module: str, is_package: bool, known) -> set[str]:
+    """The package modules one import statement of `module` loads by name (a submodule when the name is one,
+    otherwise the module or package it is imported from)."""
+    if isinstance(node, ast.Import):
+        found = set()
+        for alias in node.names:
+            parts = alias.name.split(".")
+            prefixes = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+            found |= {next((p for p in prefixes if p in known), None)} - {None}
+        return found
+    if node.level:
+        base = module.split(".") if is_package else module.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module or ""
+    found = set()
+    for alias in node.names:
+        if f"{source}.{alias.name}" in known:
+            found.add(f"{source}.{alias.name}")
+        elif source in known:
+            found.add(source)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports anywhere in its file (module level, functions, `TYPE_CHECKING`)."""
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        is_package = path.name == "__init__.py"
+        edges = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                edges |= _imported(node, name, is_package, modules)
+        graph[name] = edges - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as `[a, b, ..., a]`, or `None`."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_package_has_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_modeling_d3d_is_the_top_of_the_bundle():
+    """transformers' remote-code loading imports `modeling_d3d` only, which imports the generation side and installs
+    the hook: no other bundle file may import it (the package's `__init__` re-exports from it)."""
+    graph = import_graph()
+    importers = sorted(m for m, edges in graph.items() if "d3d_hf.modeling.modeling_d3d" in edges)
+    bundle = [m for m in importers if m.startswith("d3d_hf.modeling") and m != "d3d_hf.modeling"]
+    assert bundle == []
+
+
+def test_bundle_files_stay_readable():
+    sizes = {path.name: len(path.read_text(encoding="utf-8").splitlines()) for path in (ROOT / "modeling").glob("*.py")}
+    assert {name: n for name, n in sizes.items() if n > MAX_BUNDLE_LINES} == {}
+    assert sizes["modeling_d3d.py"] <= MAX_MODELING_LINES
+
+
+def test_architecture_lists_the_bundle_in_import_order():
+    """docs/ARCHITECTURE.md's table of `modeling/` lists every bundle file once, each after the files it imports."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    listed = re.findall(r"^\| `(\w+)\.py` \|", text, flags=re.MULTILINE)
+    files = sorted(path.stem for path in (ROOT / "modeling").glob("*.py") if path.stem != "__init__")
+    assert sorted(listed) == files, "add or remove rows of the table"
+    graph = import_graph()
+    for i, name in enumerate(listed):
+        imported = {m.rsplit(".", 1)[-1] for m in graph[f"d3d_hf.modeling.{name}"] if m.startswith("d3d_hf.modeling.")}
+        assert imported <= set(listed[:i]), f"{name} imports {sorted(imported - set(listed[:i]))} listed below it"
