@@ -18,9 +18,9 @@ import platform
 import time
 
 import torch
+from d3d_hf.modeling.calibration_d3d import cpu_model
 
 from d3d_hf.drafters import load_drafter
-from d3d_hf.modeling.calibration_d3d import cpu_model
 from d3d_hf.prompts import encode_prompt, load_prompts
 from d3d_hf.targets import load_target
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-
 #: the bench methods each declared generation option applies to (the others ignore it; a flag for none of the
 #: chosen methods is refused)
 OPTION_METHODS = {
