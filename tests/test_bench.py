@@ -146,8 +146,11 @@ def test_every_method_matches_the_target_and_reports_rounds(pair):
         progress=False,
         prompt_lookup_num_tokens=3,
     )
-    assert list(result["summary"]) == ["target", "pld", "ar-assist", "d3d", "d3d-async", "d3d-tree", "d3d-own-cache",
-                                      "d3d-target-layouts"]
+    assert list(result["summary"]) == ["target", "pld", "ar-assist", "d3d", "d3d-async", "d3d-tree", "engine-lookup",
+                                      "d3d-own-cache", "d3d-target-layouts"]
+    for run in result["runs"]["engine-lookup"]:  # the engine without its drafter never drafts
+        assert "drafter" not in run["round_sources"]
+    assert result["summary"]["engine-lookup"]["drafter_token_share"] == 0.0
     for method, runs in result["runs"].items():
         for run in runs:
             assert run["matches_target"], (method, run["prompt_id"])

@@ -153,7 +153,8 @@ def test_engine_drafts_every_round_when_verification_is_free():
     assert set(stats.round_sources[:-1]) == {"drafter"} and max(stats.round_candidates) == 3
 
 
-def test_calibration_is_measured_once_keyed_and_restored_from_disk(monkeypatch):
+def test_calibration_is_measured_once_keyed_and_restored_from_disk(monkeypatch, tmp_path):
+    monkeypatch.setenv("D3D_HF_CACHE", str(tmp_path))  # not a calibration another test stored for this pair
     target = tiny_target("llama")
     drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
     measured = []

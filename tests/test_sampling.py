@@ -73,15 +73,17 @@ def _exact_two_tokens(target, ids, processors):
 
 
 @pytest.mark.parametrize(
-    "plan",
+    ("plan", "n"),
     [
-        {"d3d_num_drafts": "full"},
-        {"d3d_tree_budget": 3, "d3d_num_drafts": "full"},
-        {"d3d_async": True, "d3d_num_drafts": "full", "d3d_num_hypotheses": 4, "d3d_reuse_on_miss": True},
+        ({"d3d_num_drafts": "full"}, 1500),
+        # fewer samples: the acceptance rule is the chain's (equality with the Gumbel-max token); these check the
+        # positions each tree row and each pre-drafted block is verified at
+        ({"d3d_tree_budget": 3, "d3d_num_drafts": "full"}, 800),
+        ({"d3d_async": True, "d3d_num_drafts": "full", "d3d_num_hypotheses": 4, "d3d_reuse_on_miss": True}, 800),
     ],
     ids=["chain", "tree", "async"],
 )
-def test_invariant_sampling_keeps_the_target_law_under_processors(plan):
+def test_invariant_sampling_keeps_the_target_law_under_processors(plan, n):
     """Chi-square of 2-token samples against the exact law with repetition penalty, temperature, top-k and top-p,
     with a drafter that disagrees with the target often (rejections and bonus tokens are exercised)."""
     vocab = 8
@@ -92,7 +94,7 @@ def test_invariant_sampling_keeps_the_target_law_under_processors(plan):
     settings = dict(repetition_penalty=1.3, temperature=0.9, top_k=6, top_p=0.95)
     exact = _exact_two_tokens(target, ids, _processors(**settings)).flatten()
     torch.manual_seed(1234)
-    n, counts, rejected = 1500, torch.zeros(vocab * vocab), 0
+    counts, rejected = torch.zeros(vocab * vocab), 0
     for _ in range(n):
         out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, do_sample=True,
                               max_new_tokens=2, pad_token_id=0, **settings, **plan)

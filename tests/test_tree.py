@@ -262,8 +262,10 @@ def test_chain_mode_is_transformers_loop(do_sample):
         outs = []
         for seed in range(3):
             ids = random_prompt(7, seed=seed)
+            # speculative sampling: transformers' loop has no drafter-invariant sampling to compare with
             config = GenerationConfig(max_new_tokens=25, do_sample=do_sample, temperature=0.8, top_k=20,
                                       d3d_num_drafts="full", d3d_decoding_loop=loop, return_dict_in_generate=True,
+                                      d3d_sampling="speculative",
                                       output_scores=True, output_logits=True)
             out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
                                   generation_config=config)
