@@ -111,6 +111,7 @@ def render_suite() -> str:
 
 
 ENGINE = "benchmarks/results/engine"
+CONTRIBUTION = "benchmarks/results/contribution"
 
 
 def render_engine() -> list[str]:
@@ -352,7 +353,36 @@ def render_summary() -> str:
             + (f"{pld['speedup']:.2f}x" if pld else "-")
             + f" | **{d3d['speedup']:.2f}x** | {d3d['tau']:.2f} | {100 * d3d['lossless_match']:.0f}% |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _contribution_summary()) + "\n"
+
+
+def _contribution_summary() -> list[str]:
+    """README lines: what the drafter adds, from the cells of `bash benchmarks/run_drafter_contribution.sh` (each a
+    run of its own: target, pld, d3d and engine-lookup interleaved per prompt)."""
+    files = sorted((ROOT / CONTRIBUTION).glob("*/results.json"))
+    if not files:
+        return []
+    lines = [
+        "",
+        "What the drafter adds: `engine-lookup` is the same engine with its drafter never drafting (plain steps and "
+        "its sized prompt-lookup rounds); each row is one run of its own "
+        f"([`{CONTRIBUTION}/`]({CONTRIBUTION}/), `bash benchmarks/run_drafter_contribution.sh`, same machine).",
+        "",
+        "| prompts | dtype | target tok/s | pld | d3d | engine-lookup | d3d / engine-lookup "
+        "| tokens from drafter rounds |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for result in sorted((json.loads(f.read_text()) for f in files), key=_order):
+        rs, summary = result["settings"], _plan_summary(result)
+        offset = rs.get("offset", 0)
+        d3d, lookup = summary["d3d"], summary["engine-lookup"]
+        lines.append(
+            f"| {SET_NAMES.get(rs['prompts'], rs['prompts'])} {offset}-{offset + rs['num_prompts'] - 1} | "
+            f"{rs['dtype']} | {summary['target']['tokens_per_second']:.1f} | {summary['pld']['speedup']:.2f}x | "
+            f"{d3d['speedup']:.2f}x | {lookup['speedup']:.2f}x | {d3d['speedup'] / lookup['speedup']:.2f} | "
+            f"{100 * d3d.get('drafter_token_share', 0.0):.0f}% |"
+        )
+    return lines
 
 
 def render_full_block() -> list[str]:
@@ -376,6 +406,26 @@ def render_async() -> list[str]:
     return parts + render_worker_threads()
 
 
+def render_contribution() -> list[str]:
+    """What the drafter adds (`bash benchmarks/run_drafter_contribution.sh`): each recorded cell's table (target,
+    pld, d3d, engine-lookup) and its rounds by candidate source, with the share of tokens from drafter rounds."""
+    files = sorted((ROOT / CONTRIBUTION).glob("*/results.json"))
+    if not files:
+        return ["Not recorded yet: `bash benchmarks/run_drafter_contribution.sh`."]
+    parts = []
+    for result in sorted((json.loads(f.read_text()) for f in files), key=_order):
+        st = result["settings"]
+        offset = st.get("offset", 0)
+        parts += [
+            f"**{SET_NAMES.get(st['prompts'], st['prompts'])} {offset}-{offset + st['num_prompts'] - 1}, "
+            f"{st['dtype']}**: {st['target']} with `{st['drafter']}`, {st['max_new_tokens']} new tokens, "
+            f"{st['torch_threads']} threads ({_cpu_text(st)}), torch {st['torch']}.",
+            "",
+            *_table_and_plans(result),
+        ]
+    return parts
+
+
 def _text(parts: list[str] | str) -> str:
     text = parts if isinstance(parts, str) else "\n".join(parts)
     return text.rstrip() + "\n"
@@ -386,6 +436,7 @@ BLOCKS = [
     (README, "summary", render_summary),
     (README, "options", lambda: options_markdown_table() + "\n"),
     (RESULTS_DOC, "results-engine", lambda: _text(render_engine())),
+    (RESULTS_DOC, "results-contribution", lambda: _text(render_contribution())),
     (RESULTS_DOC, "results-tree", lambda: _text(render_tree())),
     (RESULTS_DOC, "results-full-block", lambda: _text(render_full_block())),
     (RESULTS_DOC, "results-async", lambda: _text(render_async())),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The cost-aware engine against the baselines (issue 14's done-when run), recorded in benchmarks/results/engine/:
 # target, prompt lookup (pld), d3d (adaptive engine: plain steps, prompt-lookup rounds or draft passes, whichever the
-# measured cost curves say pays) and d3d-async (adaptive: asynchronous drafting steps aside on CPU), on HumanEval
+# measured cost curves say pays), engine-lookup (the same engine never drafting: what d3d adds is the drafter's) and
+# d3d-async (d3d_async=True: the packed pass on every device), on HumanEval
 # prompts 20-39, GSM8K and MT-Bench (10 each), 128 new tokens, float32 and bfloat16, 2 threads, shipped drafter.
 # Run on an otherwise idle machine. The adaptive engine calibrates on first use: the bench's warm-up call does it
 # (cached under $D3D_HF_CACHE, here a fresh folder per run so that the recorded run starts from a measurement).
@@ -20,7 +21,7 @@ for dtype in ${DTYPES:-float32 bfloat16}; do
       echo "kept $dir (FORCE=1 to rerun)"
       continue
     fi
-    d3d-hf bench --drafter d3d-smollm2-135m-instruct --methods target,pld,d3d,d3d-async --prompts "$set" \
+    d3d-hf bench --drafter d3d-smollm2-135m-instruct --methods target,pld,d3d,engine-lookup,d3d-async --prompts "$set" \
       --offset "$offset" --limit "$limit" --max-new-tokens "$NEW_TOKENS" --dtype "$dtype" --threads "$THREADS" \
       --output-dir "$dir" --overwrite
   done
