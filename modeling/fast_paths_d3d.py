@@ -428,7 +428,7 @@ def target_matmul_layouts(model: nn.Module, min_rows: int = 2):
     `nn.Linear`'s call, so a plain target step computes exactly what target-only decoding computes. A verification
     forward may round differently from `nn.Linear`'s multi-row kernel, as that one already rounds differently from
     the one-row kernel of target-only decoding; greedy output stays the target's own unless two logits tie within
-    float rounding (checked on the bench prompts: README, "The draft pass"). Modules that already have an
+    float rounding (checked on the bench prompts: docs/RESULTS.md, "The draft pass"). Modules that already have an
     instance-level `forward` (e.g. accelerate's hooks) and subclasses of `nn.Linear` (e.g. PEFT's or quantised
     layers) are left alone. The modules are restored when the context closes, also on an exception.
 
