@@ -234,6 +234,14 @@ def _install_validation_hook() -> None:
         assistant_model = generation_mode_kwargs.get("assistant_model")
         if getattr(assistant_model, "build_candidate_generator", None) is not None:
             check_generate_call(assistant_model, generation_config)
+            mode = getattr(generation_mode, "value", generation_mode)
+            if mode != "assisted_generation":  # transformers would silently decode without the drafter
+                assistant_model.last_generation_stats = None
+                raise ValueError(
+                    f"A D3D drafter speeds up greedy search and sampling only, but this call's settings select "
+                    f"{mode!r} (e.g. `num_beams > 1`), which transformers runs without an assistant. Drop "
+                    "`assistant_model=` for that mode, or use `num_beams=1` (and no `penalty_alpha` / `dola_layers`)."
+                )
         elif getattr(generation_config, _KWARGS_ATTRIBUTE, None):
             names = ", ".join(f"`{name}`" for name in getattr(generation_config, _KWARGS_ATTRIBUTE))
             raise ValueError(

@@ -333,6 +333,7 @@ class D3DGenerationOptions:
             except _Invalid:
                 accepts = f.metadata["accepts"].replace("block_size - 1", f"block_size - 1 = {block_size - 1}")
                 accepts = accepts.replace("block_size]", f"block_size = {block_size}]")
+                accepts = accepts.replace("torch threads)]", f"torch threads) = {_most_worker_threads()}]")
                 raise ValueError(f"`{name}` must be {accepts} (or None for the default), got {value!r}.") from None
             explicit.add(f.name)
         if values["num_hypotheses"] is None:

@@ -159,7 +159,10 @@ def test_drafter_dependent_options_are_checked_before_loading(tiny_folders, no_m
             bench + ["--methods", "target,d3d-async", "--num-hypotheses", "5"],
             "--num-hypotheses 5 is more than the block",
         ),
-        (bench + ["--methods", "target,d3d-async", "--worker-threads", "100000"], "--worker-threads must be a whole number in [1, max(CPU count"),
+        (
+            bench + ["--methods", "target,d3d-async", "--worker-threads", "100000"],
+            "--worker-threads must be a whole number in [1, max(CPU count",
+        ),
         (bench + ["--block-size", "513"], "--block-size 513 is longer than the drafter's context (512 tokens"),
         (
             ["generate", "--drafter", drafter, "--prompt", "t5", "--block-size", "600"],

@@ -122,3 +122,19 @@ def test_readme_options_table_is_the_declaration():
     assert match.group(1).strip() == options_markdown_table().strip(), (
         "README's options table differs from the declaration: run `python benchmarks/render_readme.py`"
     )
+
+
+def test_a_mode_that_skips_the_assistant_is_refused(pair):
+    """transformers runs beam search without the assistant: with a D3D drafter that is refused, not silently done."""
+    target, drafter = pair
+    prompt = random_prompt(7, seed=3)
+    _generate(pair, max_new_tokens=4)
+    with pytest.raises(ValueError, match="num_beams"):
+        target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter, num_beams=2,
+                        max_new_tokens=4)
+    assert drafter.last_generation_stats is None  # no stale statistics of the previous call
+
+
+def test_the_worker_threads_bound_is_named():
+    with pytest.raises(ValueError, match=r"torch threads\) = \d+\]"):
+        D3DGenerationOptions.resolve(block_size=8, d3d_worker_threads=10**6)
