@@ -238,14 +238,12 @@ def d3d_assisted_decoding(
             if len(logits_processor) > 0:  # each row on its own history, built only when a processor needs it
                 for i in range(num_candidates + 1):
                     new_logits[:, i, :] = logits_processor(history(i).to(input_ids.device), new_logits[:, i, :])
-            if tree_mode and noise is not None:  # drafter-invariant: each row's Gumbel-max at its own position
-                depths = [0] + [len(tree.path_tokens(node)) for node in range(num_candidates)]
-                choices = noise.choose(new_logits[0], [cur_len + depth for depth in depths])
-                path, bonus = greedy_tree_path(tree, choices.tolist())
-                rows = [0] + [node + 1 for node in path]
-                valid = input_ids.new_tensor([[tree.tokens[node] for node in path] + [bonus]])
-            elif tree_mode:
-                if do_sample:
+            if tree_mode:
+                if noise is not None:  # drafter-invariant: each row's Gumbel-max at its own position, then greedy
+                    depths = [0] + [len(tree.path_tokens(node)) for node in range(num_candidates)]
+                    choices = noise.choose(new_logits[0], [cur_len + depth for depth in depths])
+                    path, bonus = greedy_tree_path(tree, choices.tolist())
+                elif do_sample:
                     probabilities = new_logits[0].softmax(dim=-1)
                     path, bonus = sample_tree_path(tree, lambda node, p=probabilities: p[node + 1])
                 else:
