@@ -18,6 +18,7 @@ its own.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Any
@@ -180,6 +181,7 @@ def d3d_assisted_decoding(
     with generator.own_loop(target, cache) as tree_rounds:
         tree_mode = tree_rounds is not None
         noise = generator.proposer.noise  # `GumbelNoise` under drafter-invariant sampling, else None
+        successors = generator.successors  # `SuccessorBlocks` under fused successor drafting, else None
         if tree_mode and getattr(cache, "layers", None):
             check_tree_cache(cache)
         unfinished, first_round = True, True
@@ -212,18 +214,25 @@ def d3d_assisted_decoding(
                 num_candidates = candidate_ids.shape[1] - cur_len
                 new_ids = candidate_ids[:, past:]
                 attention_mask, positions = None, torch.arange(past, past + new_ids.shape[1], device=device)[None]
+                if successors is not None and successors.block_rows:  # the next round's blocks ride along
+                    new_ids, attention_mask, positions = successors.verification_inputs(
+                        new_ids, num_committed, past, compute_dtype
+                    )
 
                 def history(row: int, candidates=candidate_ids, cur_len=cur_len) -> torch.LongTensor:
                     return candidates[:, : cur_len + row]
-            forward_kwargs = {"logits_to_keep": num_candidates + 1} if keep_logits else {}
-            outputs = target(
-                input_ids=new_ids,
-                attention_mask=attention_mask,
-                position_ids=positions,
-                use_cache=True,
-                **{cache_key: cache},
-                **forward_kwargs,
-            )
+            block_rows = successors.block_rows if successors is not None and not tree_mode else 0
+            forward_kwargs = {"logits_to_keep": num_candidates + 1 + block_rows} if keep_logits else {}
+            with successors.context(new_ids.shape[1] - block_rows) if block_rows else contextlib.nullcontext():
+                outputs = target(
+                    input_ids=new_ids,
+                    attention_mask=attention_mask,
+                    position_ids=positions,
+                    use_cache=True,
+                    **{cache_key: cache},
+                    **forward_kwargs,
+                )
+            block_logits = outputs.logits[0, outputs.logits.shape[1] - block_rows :] if block_rows else None
             if first_round:
                 if not getattr(cache, "is_croppable", True):
                     raise ValueError(
@@ -233,7 +242,9 @@ def d3d_assisted_decoding(
                 if tree_mode:
                     check_tree_cache(cache)
                 first_round = False
-            new_logits = outputs.logits[:, -num_candidates - 1 :].to(dtype=torch.float32, device=input_ids.device)
+            target_end = outputs.logits.shape[1] - block_rows
+            new_logits = outputs.logits[:, target_end - num_candidates - 1 : target_end]
+            new_logits = new_logits.to(dtype=torch.float32, device=input_ids.device)
             raw = new_logits.clone() if raw_logits is not None else None
             if len(logits_processor) > 0:  # each row on its own history, built only when a processor needs it
                 for i in range(num_candidates + 1):
@@ -280,8 +291,12 @@ def d3d_assisted_decoding(
                 keep_cache_path(cache, past + num_committed, path[:n_matches])
                 tree_rounds.update_tree_strategy(input_ids, tree, path[:n_matches])
             else:
-                cache.crop(-(num_candidates - n_matches))  # transformers' convention: a negative count is removed
+                removed = num_candidates - n_matches + block_rows  # rejected candidates, then the blocks' rows
+                if removed:
+                    cache.crop(-removed)  # transformers' convention: a negative count is removed
                 generator.update_candidate_strategy(input_ids, new_logits, n_matches)
+                if successors is not None:
+                    successors.outcome(n_matches, block_logits)
             if scores is not None:
                 scores += tuple(new_logits[:, i, :] for i in rows)
             if raw_logits is not None:
@@ -319,6 +334,11 @@ def install_decoding_hook() -> None:
                 if blocker is None:
                     return d3d_assisted_decoding(
                         self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs
+                    )
+                if options.fused_drafting is True:
+                    raise ValueError(
+                        f"Fused successor drafting (`d3d_fused_drafting=True`) runs in D3D's own decoding loop, which "
+                        f"cannot take this call: {blocker}. Drop that argument, or the option."
                     )
                 if budget is not None:
                     raise ValueError(

@@ -328,7 +328,11 @@ class AcceptanceCalibrator:
             self._profile_total.append(0.0)
 
     def observe(
-        self, confidences: Sequence[float] | torch.Tensor, num_accepted: int, num_sent: int | None = None
+        self,
+        confidences: Sequence[float] | torch.Tensor,
+        num_accepted: int,
+        num_sent: int | None = None,
+        position_offset: int = 0,
     ) -> None:
         """Learns from one verified round.
 
@@ -341,10 +345,14 @@ class AcceptanceCalibrator:
                 order (at least the `num_sent` sent ones).
             num_accepted (`int`): drafts the target accepted, `0 <= num_accepted <= num_sent`.
             num_sent (`int`, *optional*): drafts sent for verification; defaults to `len(confidences)`.
+            position_offset (`int`, defaults to 0): the position-profile index of the first draft (1 for a block
+                drafted inside a verification, whose first draft plays a pass's second: `DraftPolicy.ready_profile`).
 
         Raises:
             ValueError: for inconsistent counts or bad confidences.
         """
+        if not _is_int(position_offset) or position_offset < 0:
+            raise ValueError(f"`position_offset` must be an int >= 0, got {position_offset!r}.")
         conf = _check_probabilities(confidences, "Confidences")
         sent = len(conf) if num_sent is None else num_sent
         if not _is_int(sent) or not 0 <= sent <= len(conf):
@@ -363,17 +371,18 @@ class AcceptanceCalibrator:
             keep = 1.0 - 1.0 / self.profile_memory
             self._profile_accepted = [a * keep for a in self._profile_accepted]
             self._profile_total = [n * keep for n in self._profile_total]
-        self._grow_profile(len(conf))
+        o = position_offset
+        self._grow_profile(len(conf) + o)
         for j in range(num_accepted):
-            self._profile_accepted[j] += 1.0
-            self._profile_total[j] += 1.0
+            self._profile_accepted[j + o] += 1.0
+            self._profile_total[j + o] += 1.0
         if rejected:
-            self._profile_total[num_accepted] += 1.0
+            self._profile_total[num_accepted + o] += 1.0
         else:
             reach = 1.0
             for j in range(sent, len(conf)):
-                self._profile_total[j] += reach
-                self._profile_accepted[j] += reach * probs[j]
+                self._profile_total[j + o] += reach
+                self._profile_accepted[j + o] += reach * probs[j]
                 reach *= probs[j]
         self.num_observations += 1
 

@@ -24,6 +24,7 @@ from .proposer_d3d import DraftProposer
 from .runtime_d3d import RoundClock
 from .sampling_d3d import GumbelNoise
 from .stats_d3d import D3DGenerationStats
+from .successor_d3d import SuccessorBlocks, fused_drafting_unavailable
 from .tree_rounds_d3d import TreeRounds
 
 _WARNED = set()  # warnings given once per process
@@ -78,6 +79,10 @@ class D3DCandidateGenerator(CandidateGenerator):
     target's) with the tokens committed since its last call and, in the same forward, denoises `[anchor, MASK x m]`;
     the policy keeps the `k` drafts that maximise expected tokens per second; the target verifies them in one forward,
     commits the accepted prefix plus a bonus token, and the policy learns from the outcome.
+
+    **Fused successor drafting** (`d3d_fused_drafting`, chain rounds in D3D's own loop): after the candidates are
+    chosen, `SuccessorBlocks.plan` places drafter blocks inside the coming verification; when the accepted path ends
+    at one, the next round's drafts come from it (a `ready` decision of the policy) instead of a draft pass.
 
     **Tree rounds** (`d3d_tree_budget`, D3D's own loop): `TreeRounds`. **Asynchronous rounds** (`d3d_async`):
     `PackedSuccessorDrafting`.
@@ -136,7 +141,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.passes = DraftPasses(drafter)
         self.round_clock = RoundClock(stats.draft_seconds, stats.verify_seconds)
         stats.asynchronous = resolve_asynchronous(options, self.passes.device, stats.overrides)
-        self.tree = self.asynchronous_rounds = self.planner = None
+        self.tree = self.asynchronous_rounds = self.planner = self.successors = None
         if stats.asynchronous:
             fixed = options.num_drafts
             if fixed == "adaptive":
@@ -211,9 +216,41 @@ class D3DCandidateGenerator(CandidateGenerator):
         ):
             self.passes.share_target_cache(cache)
             self.stats.shared_target_cache = True
+        self._resolve_fused_drafting(target)
         with target_forward_context(target, self.options) as switched:
             self.stats.target_gqa_attention = switched
             yield self.tree
+
+    def _resolve_fused_drafting(self, target) -> None:
+        """Sets `self.successors` when this call drafts inside its verifications (`d3d_fused_drafting`, resolved
+        here, in D3D's own loop, where the target is known); records why `"auto"` is off in `stats.overrides`.
+
+        Raises:
+            ValueError: for `d3d_fused_drafting=True` where it cannot run, saying why.
+        """
+        option = self.options.fused_drafting
+        if option is False:
+            return
+        if self.stats.asynchronous:
+            reason = "asynchronous rounds draft in the packed pass"
+        elif self.tree is not None:
+            reason = "tree verification drafts with a pass per round"
+        elif self.planner.fixed_num_drafts is not None and option == "auto":
+            reason = "a fixed d3d_num_drafts drafts with a pass each round (True drafts in the verifications)"
+        elif self.planner.fixed_num_drafts is None and self.planner.policy.draft_curve is None:
+            reason = "the adaptive engine runs without draft passes (no draft cost curve)"
+        else:
+            reason = fused_drafting_unavailable(self.drafter, target)
+        if reason is not None:
+            if option is True:
+                raise ValueError(
+                    f"`d3d_fused_drafting=True` cannot run in this call: {reason}. Drop the option (the default "
+                    "'auto' uses it where it can run)."
+                )
+            self.stats.overrides["d3d_fused_drafting"] = f"auto -> False: {reason}"
+            return
+        self.successors = SuccessorBlocks(target, self.drafter, self.planner.policy, self.stats)
+        self.stats.fused_drafting = True
 
     # -- transformers' CandidateGenerator contract -----------------------------------------------------------------
 
@@ -240,6 +277,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         if limit <= 0:
             return self._finish_round(input_ids, "target", [], [])
         planner, proposer = self.planner, self.proposer
+        ready = self.successors.take_ready() if self.successors is not None else None
         lookup, ngram_size = planner.lookup(input_ids, limit, proposer.eos_token_ids)
         cache = self.passes.pass_cache()
         num_pending = cur_len - cache.get_seq_length()
@@ -248,10 +286,18 @@ class D3DCandidateGenerator(CandidateGenerator):
             0 if lookup is None else lookup.shape[1],
             max_candidates=limit,
             lookup_ngram_size=ngram_size or None,
+            ready_masks=0 if ready is None else ready.shape[0],
         )
         drafts, scores, confidences, draft_seconds = [], [], None, None
         if decision.source == "lookup":
             drafts, scores = proposer.lookup_drafts(input_ids, lookup[0, : decision.num_lookup].tolist())
+        elif decision.ready:  # drafted inside the last verification: no pass
+            drafts, scores = proposer.choose(input_ids, ready.float()[: min(limit, ready.shape[0])])
+            if drafts:
+                confidences = proposer.confidences(drafts, scores)
+                keep = planner.policy.choose(confidences, 0.0, decision)
+                drafts, scores = drafts[:keep], scores[:keep]
+            self.stats.ready_rounds += 1
         elif decision.source == "drafter" and decision.num_masks > 0:
             committed = input_ids[:, cache.get_seq_length() :].to(self.passes.device)
             # a fixed number of drafts keeps its block whole near `max_length` (masks attend to each other, so the
@@ -265,7 +311,22 @@ class D3DCandidateGenerator(CandidateGenerator):
                 keep = planner.policy.choose(confidences, seconds, decision)
                 drafts, scores = drafts[:keep], scores[:keep]
         self._round = (decision, len(drafts), confidences, draft_seconds)  # the seconds to learn
+        if self.successors is not None:
+            self._plan_successors(decision, drafts, confidences, cur_len)
         return self._finish_round(input_ids, decision.source, drafts, scores)
+
+    def _plan_successors(self, decision, drafts: list, confidences: list[float] | None, cur_len: int) -> None:
+        """Plans the drafter blocks of this round's verification from the candidates' estimated acceptance."""
+        policy, num_sent = self.planner.policy, len(drafts)
+        if decision.source == "lookup":
+            acceptance = policy.lookup.probabilities(num_sent, decision.lookup_ngram_size)
+        elif num_sent:
+            acceptance = policy.calibrator.probabilities(confidences[:num_sent])
+        else:
+            acceptance = []
+        tokens = [int(d) for d in drafts]
+        room = self.max_length - cur_len
+        self.successors.plan(acceptance, tokens, 1 + num_sent, room, set(self.proposer.eos_token_ids))
 
     def _finish_round(self, input_ids: torch.LongTensor, source: str, drafts: list, scores: list):
         """Records the round's plan, ends its draft span and returns what `get_candidates` returns."""
@@ -284,6 +345,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         num_matches = int(num_matches)
         if self._round is not None:
             decision, num_sent, confidences, draft_seconds = self._round
+            block_rows = self.successors.block_rows if self.successors is not None else 0
             self.planner.policy.observe_round(
                 decision,
                 num_sent=num_sent,
@@ -291,6 +353,7 @@ class D3DCandidateGenerator(CandidateGenerator):
                 confidences=confidences,
                 draft_seconds=draft_seconds,
                 verify_seconds=verify_seconds if self.stats.rounds > 0 else None,  # round 1 includes the prefill
+                verify_rows=num_sent + 1 + block_rows,
             )
         self.stats.record_outcome(num_matches)
         if self.planner is not None:

@@ -59,7 +59,7 @@ def _num_drafts(value: Any, block_size: int) -> int | str:
     return number
 
 
-def _asynchronous(value: Any, block_size: int) -> bool | str:
+def _auto_or_boolean(value: Any, block_size: int) -> bool | str:
     if value == "auto" or isinstance(value, bool):
         return value
     raise _Invalid
@@ -159,6 +159,14 @@ class D3DGenerationOptions:
             drafter round in D3D's own loop (`None`: chain verification; `"adaptive"`: the node count that maximises
             expected tokens per second, at most the block size).
         tree_branching (`int` >= 1, default 4): drafter candidates per tree depth.
+        fused_drafting (`bool` or `"auto"`, default `"auto"`): fused successor drafting (`successor_d3d`): the
+            verification forward also computes, after each acceptance length where the accepted path is likely to
+            end, the drafter's block that would follow (mask rows with the block adapters, on the target's own
+            weights); when the path ends there, the next round's drafts are ready without a draft pass. `"auto"`: on
+            in D3D's own loop with chain verification, the adaptive engine and a drafter that runs on all of the
+            target's own layers (the blocks are then placed by the cost-aware policy); `True`: also with a fixed
+            `d3d_num_drafts` (a block after every candidate, so every round after the first drafts in the previous
+            verification); refused where it cannot run; `False`: off.
         sampling (`str`, default `"invariant"`): how `do_sample=True` verifies. `"invariant"`: drafter-invariant
             sampling (`sampling_d3d`, arXiv 2408.07978): the target's token at each position is the Gumbel-max of its
             processed distribution under noise keyed by a call seed drawn from torch's default generator, so the
@@ -197,7 +205,7 @@ class D3DGenerationOptions:
         "'auto', True or False",
         "Packed successor drafting while the target verifies: `'auto'` = on CUDA only; `True` forces it (warns once "
         "on CPU, where it measured slower).",
-        _asynchronous,
+        _auto_or_boolean,
     )
     num_hypotheses: int | None = _option(
         "num_hypotheses",
@@ -235,6 +243,14 @@ class D3DGenerationOptions:
         "a whole number >= 1",
         "Tree verification: drafter candidates per depth.",
         _positive,
+    )
+    fused_drafting: bool | str = _option(
+        "fused_drafting",
+        "auto",
+        "'auto', True or False",
+        "Draft the next round's block inside this round's verification forward (no draft pass after a hit): "
+        "`'auto'` = where the drafter runs on all the target's own weights, with the adaptive engine.",
+        _auto_or_boolean,
     )
     sampling: str = _option(
         "sampling",
@@ -370,6 +386,17 @@ class D3DGenerationOptions:
             raise ValueError(
                 "`d3d_tree_budget` needs D3D's own decoding loop: transformers' assisted-generation loop verifies one "
                 "chain. Drop `d3d_decoding_loop='transformers'` (or set `d3d_tree_budget=None`)."
+            )
+        if self.fused_drafting is True and (loop == "transformers" or asynchronous or self.tree_budget is not None):
+            raise ValueError(
+                "`d3d_fused_drafting=True` drafts inside the chain verifications of D3D's own loop: it cannot be "
+                "combined with `d3d_decoding_loop='transformers'`, `d3d_async=True` or `d3d_tree_budget`. Drop one "
+                "of them."
+            )
+        if self.fused_drafting is True and not self.draft_passes:
+            raise ValueError(
+                "`d3d_fused_drafting=True` drafts with the drafter, which `d3d_draft_passes=False` keeps out of the "
+                "engine. Drop one of them."
             )
         if self.tree_budget is not None and asynchronous:
             raise ValueError(

@@ -75,6 +75,8 @@ class RoundDecision:
         expected_rate (`float`): of the option taken (under exploration, not the best one).
         lookup_ngram_size (`int`, *optional*): size of the n-gram the lookup tokens matched (what
             `observe_round` files the outcome under), `None` when not known or without lookup tokens.
+        ready (`bool`): a drafter round whose block was drafted inside the previous verification (fused successor
+            drafting, `successor_d3d`): no draft pass, `num_masks` is the ready block's size.
     """
 
     source: str
@@ -87,11 +89,12 @@ class RoundDecision:
     lookup_rate: float | None = None
     expected_rate: float = 0.0
     lookup_ngram_size: int | None = None
+    ready: bool = False
 
     @property
     def draft_rows(self) -> int:
         """Rows of the draft pass, `num_pending + num_masks` (0 when there is no pass)."""
-        return self.num_pending + self.num_masks if self.source == "drafter" else 0
+        return self.num_pending + self.num_masks if self.source == "drafter" and not self.ready else 0
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-safe dict (for logs)."""
@@ -298,6 +301,20 @@ class DraftPolicy:
             )
         return num_pending
 
+    def ready_profile(self, num_drafts: int) -> list[float]:
+        """Per-position acceptance of the drafts of a block drafted inside a verification (fused successor
+        drafting): its anchor is the accepted path's last token, whose bonus token the target computed in that
+        verification, so its first mask plays the part of a draft pass's second draft (the first draft of a pass,
+        the anchor row's own prediction, is the target's), and so on: `position_profile(num_drafts + 1)[1:]`."""
+        return self.calibrator.position_profile(num_drafts + 1)[1:]
+
+    def _ready_options(self, ready_masks: int, limit: int) -> list[_Option]:
+        profile = self.ready_profile(min(ready_masks, limit))
+        return [
+            _Option("drafter", k, _rate(expected_tokens(profile, k), self._verify(k + 1)), self._verify(k + 1))
+            for k in range(1, len(profile) + 1)
+        ]
+
     def _drafter_options(
         self, num_pending: int, limit: int, tree: tuple[int, float] | None = None
     ) -> list[_Option]:
@@ -482,6 +499,7 @@ class DraftPolicy:
         max_candidates: int | None = None,
         lookup_ngram_size: int | None = None,
         tree: tuple[int, float] | None = None,
+        ready_masks: int = 0,
     ) -> RoundDecision:
         """Decides the next round (call once per round, before drafting; advances the exploration counters).
 
@@ -496,6 +514,10 @@ class DraftPolicy:
                 from the same calibrated estimates, `D3DCandidateGenerator.get_tree`); the only drafter option is
                 then a pass with every allowed mask, rated `(1 + gain * (expected_tokens(q, m) - 1)) / (t_draft(c +
                 m) + t_verify(nodes + 1))`. Adaptive mode only.
+            ready_masks (`int`, defaults to 0): a block of this many masks was drafted inside the previous
+                verification (fused successor drafting): the drafter option is then that block, with no pass, rated
+                `expected_tokens(ready_profile(k), k) / t_verify(k + 1)` for `k` of its drafts, and the decision is
+                `ready` (its `num_masks` the block's size). In a fixed mode the ready block is the round's drafts.
 
         Returns:
             `RoundDecision`. For `"drafter"`, run `draft_logits(committed, cache, num_masks=decision.num_masks)`,
@@ -522,14 +544,15 @@ class DraftPolicy:
                 rate = self._drafter_options(num_pending, m)[-1].rate
             decision = RoundDecision(
                 "drafter",
-                num_masks=m,
+                num_masks=m if ready_masks <= 0 else ready_masks,
                 num_pending=num_pending,
                 target_rate=target_rate,
                 drafter_rate=rate,
                 expected_rate=rate,
+                ready=ready_masks > 0,
             )
         else:
-            decision = self._decide_adaptive(num_pending, limit, lookup_limit, lookup_ngram_size, tree)
+            decision = self._decide_adaptive(num_pending, limit, lookup_limit, lookup_ngram_size, tree, ready_masks)
         self._advance(decision, lookup_limit > 0)
         return decision
 
@@ -540,9 +563,11 @@ class DraftPolicy:
         lookup_limit: int,
         lookup_ngram_size: int | None,
         tree: tuple[int, float] | None = None,
+        ready_masks: int = 0,
     ) -> RoundDecision:
         target = _Option("target", 0, self.target_rate(), self._verify(1))
-        drafter = self._drafter_options(num_pending, limit, tree)
+        ready = ready_masks > 0 and limit >= 1
+        drafter = self._ready_options(ready_masks, limit) if ready else self._drafter_options(num_pending, limit, tree)
         lookup = self._lookup_options(lookup_limit, ngram_size=lookup_ngram_size)
         # one pick over every option, so that the tie rule does not depend on the order of comparison
         chosen = _pick([target, *drafter, *lookup], self.tie_tolerance)
@@ -550,7 +575,7 @@ class DraftPolicy:
         best_lookup = _pick(lookup, self.tie_tolerance) if lookup else None
         explore = False
         if self.explore_every is not None:
-            drafter_usable = self.draft_curve is not None and limit >= 1
+            drafter_usable = (self.draft_curve is not None or ready) and limit >= 1
             warm_drafter = self._drafter_rounds == 0 and self.calibrator.num_observations == 0
             warm_lookup = self._lookup_rounds == 0 and self.lookup.num_observations == 0
             if (
@@ -582,7 +607,7 @@ class DraftPolicy:
                 self._lookup_interval = self.explore_every
         return RoundDecision(
             source=chosen.source,
-            num_masks=chosen.count if chosen.source == "drafter" else 0,
+            num_masks=(ready_masks if ready else chosen.count) if chosen.source == "drafter" else 0,
             num_lookup=chosen.count if chosen.source == "lookup" else 0,
             num_pending=num_pending,
             explore=explore,
@@ -591,7 +616,65 @@ class DraftPolicy:
             lookup_rate=None if best_lookup is None else best_lookup.rate,
             expected_rate=chosen.rate,
             lookup_ngram_size=lookup_ngram_size if chosen.source == "lookup" else None,
+            ready=ready and chosen.source == "drafter",
         )
+
+    # ---- fused successor drafting --------------------------------------------------------------------------------
+
+    def successor_plan(
+        self, end_probabilities: Sequence[float], verify_rows: int, max_drafts: int | None = None
+    ) -> tuple[list[int], int]:
+        """Where this round's verification should draft the next round's block (fused successor drafting,
+        `successor_d3d`), and how many masks each block gets. Adaptive mode, our design.
+
+        A block after acceptance length `j` (`0..k` of the `k` candidates; 0 = right after the committed tokens)
+        turns the next round, when the accepted path ends there (probability `P_j`), into a ready drafter round:
+        its drafts cost no pass. Its worth is the time that round saves: with `m` masks (the `k*` a ready round
+        would send, `ready_profile`) it makes `E = expected_tokens(ready_profile(m), m)` tokens in `t_verify(m + 1)`
+        where the best round without it (a plain step, or a draft pass of the best size for one pending token)
+        needs `E / R_alt`: `saved = E / R_alt - t_verify(m + 1)`. Blocks are added in decreasing `P_j` while `P_j *
+        saved` exceeds what their `m` rows add to this verification (`t_verify(rows + m) - t_verify(rows)` on the
+        measured curve).
+
+        Args:
+            end_probabilities (sequence of `float`): `P_j` for `j = 0..k`, the probability that exactly `j`
+                candidates are accepted (they need not sum to 1).
+            verify_rows (`int`): rows of this verification without blocks (committed rows + candidates), >= 1.
+            max_drafts (`int`, *optional*): most drafts the next round may send (room before `max_length`).
+
+        Returns:
+            `(lengths, m)`: the acceptance lengths to draft after, increasing (empty when no block pays), and the
+            masks per block. In a fixed mode `k`: a block of `k` masks after every length.
+
+        Raises:
+            ValueError: for a probability outside [0, 1] or `verify_rows < 1`.
+        """
+        probabilities = _check_probabilities(list(end_probabilities), "`end_probabilities`")
+        if not _is_int(verify_rows) or verify_rows < 1:
+            raise ValueError(f"`verify_rows` must be an int >= 1, got {verify_rows!r}.")
+        limit = self._limit(max_drafts)
+        if self.mode == "off" or limit < 1:
+            return [], 0
+        if _is_int(self.mode):
+            return list(range(len(probabilities))), min(self.mode, limit)
+        options = self._ready_options(limit, limit)
+        if not options:
+            return [], 0
+        best = _pick(options, self.tie_tolerance)
+        m = best.count
+        tokens = best.rate * best.seconds
+        alternatives = [self.target_rate(), *(o.rate for o in self._drafter_options(1, limit))]
+        saved = tokens / max(alternatives) - best.seconds
+        if saved <= 0:
+            return [], 0
+        chosen, rows = [], verify_rows
+        for j in sorted(range(len(probabilities)), key=lambda j: -probabilities[j]):
+            cost = self._verify(rows + m) - self._verify(rows)
+            if probabilities[j] * saved <= cost:
+                break
+            chosen.append(j)
+            rows += m
+        return sorted(chosen), m
 
     def _advance(self, decision: RoundDecision, had_lookup: bool) -> None:
         self.rounds += 1
@@ -645,7 +728,7 @@ class DraftPolicy:
             raise ValueError(f"A target round sends no candidates, got num_sent={num_sent}.")
         if decision.source == "drafter":
             if confidences is not None:
-                self.calibrator.observe(confidences, num_accepted, num_sent)
+                self.calibrator.observe(confidences, num_accepted, num_sent, position_offset=int(decision.ready))
             if draft_seconds is not None and self.draft_curve is not None:
                 self.draft_curve.observe(decision.draft_rows, draft_seconds, self.curve_weight)
         elif decision.source == "lookup":

@@ -49,6 +49,13 @@ class D3DGenerationStats:
         decoding_loop (`str`): the loop that ran the call: `"d3d"` (`decoding_d3d`) or `"transformers"`.
         shared_target_cache (`bool`): the draft passes attended to the target's cache.
         target_gqa_attention (`bool`): the target's forwards ran on `fast_paths_d3d.gqa_sdpa_attention_forward`.
+        fused_drafting (`bool`): fused successor drafting ran (`d3d_fused_drafting` resolved; `successor_d3d`).
+        successor_blocks (`list[int]`): per verification (fused drafting), the drafter blocks it computed after
+            the acceptance lengths where the path was likely to end (0: none).
+        successor_masks (`list[int]`): per verification, the masks of each of those blocks.
+        successor_hits (`int`): verifications whose accepted path ended where a block was drafted.
+        successor_hit_flags (`list[bool]`): per verification that drafted blocks or not, whether it was a hit.
+        ready_rounds (`int`): rounds whose drafts were such a block (no draft pass).
     """
 
     options: D3DGenerationOptions = field(default_factory=D3DGenerationOptions)
@@ -74,6 +81,12 @@ class D3DGenerationStats:
     decoding_loop: str = "transformers"
     shared_target_cache: bool = False
     target_gqa_attention: bool = False
+    fused_drafting: bool = False
+    successor_blocks: list[int] = field(default_factory=list)
+    successor_masks: list[int] = field(default_factory=list)
+    successor_hits: int = 0
+    ready_rounds: int = 0
+    successor_hit_flags: list[bool] = field(default_factory=list)
 
     def record_round_plan(self, source: str, num_candidates: int) -> None:
         """Records where a round's candidates came from and how many were sent."""
@@ -120,6 +133,23 @@ class D3DGenerationStats:
         return self.overrides.get("d3d_async") if not self.asynchronous else None
 
     @property
+    def successor_hit_rates(self) -> dict[int, float]:
+        """Fused drafting: by the number of blocks a verification drafted, the fraction of those verifications
+        whose accepted path ended at one of them (a hit). Computed from `successor_blocks` and the hits recorded
+        per verification in `successor_hit_flags`."""
+        totals, hits = Counter(), Counter()
+        for blocks, hit in zip(self.successor_blocks, self.successor_hit_flags, strict=False):
+            if blocks:
+                totals[blocks] += 1
+                hits[blocks] += int(hit)
+        return {n: hits[n] / totals[n] for n in sorted(totals)}
+
+    def record_successor_outcome(self, hit: bool) -> None:
+        """Records whether this verification's accepted path ended at one of its blocks."""
+        self.successor_hit_flags.append(bool(hit))
+        self.successor_hits += int(hit)
+
+    @property
     def tokens_by_source(self) -> dict[str, int]:
         """Committed tokens (accepted candidates plus the bonus token) by the source of their round's candidates."""
         counts = Counter()
@@ -131,7 +161,13 @@ class D3DGenerationStats:
         """Plain-dict form (with `tau`, `hit_rate` and `tokens_by_source`), for JSON."""
         out = asdict(self)
         out["options"] = self.options.to_dict()
-        return {**out, "tau": self.tau, "hit_rate": self.hit_rate, "tokens_by_source": self.tokens_by_source}
+        return {
+            **out,
+            "tau": self.tau,
+            "hit_rate": self.hit_rate,
+            "tokens_by_source": self.tokens_by_source,
+            "successor_hit_rates": self.successor_hit_rates,
+        }
 
 
 __all__ = ["D3DGenerationStats"]

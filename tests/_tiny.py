@@ -85,6 +85,25 @@ def perturbed_drafter(target, block_size, adapter_rank=4, seed=0, scale=0.02):
     return drafter
 
 
+def weight_sharing_drafter(target, block_size, adapter_rank=4, seed=0, scale=0.5):
+    """A drafter on all of `target`'s own layers (`shares_target_weights`, weights attached) with rank-`adapter_rank`
+    block adapters whose `lora_B` and mask embedding are set to `scale` times N(0, 1) noise (seeded with `seed`), so
+    that its block rows differ from the target's (fresh adapters would leave them unchanged): the kind of drafter
+    fused successor drafting runs on."""
+    from d3d_hf import D3DForDiffusionDrafting
+
+    drafter = D3DForDiffusionDrafting.from_autoregressive(
+        target, block_size=block_size, shares_target_weights=True, block_lora_rank=adapter_rank
+    )
+    drafter.attach_target_weights(target)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "lora_B" in name or "mask_embedding" in name:
+                p.copy_(scale * torch.randn_like(p))
+    return drafter.eval()
+
+
 def crash_safetensors_writer(monkeypatch):
     """Makes transformers' safetensors writer write half a file, then fail (a process killed mid-write)."""
     import transformers.modeling_utils
