@@ -9,6 +9,7 @@ varies: chain rounds (here), tree rounds (`tree_rounds_d3d`) or asynchronous rou
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from typing import Any
 
@@ -239,6 +240,8 @@ class D3DCandidateGenerator(CandidateGenerator):
             reason = "a fixed d3d_num_drafts drafts with a pass each round (True drafts in the verifications)"
         elif self.planner.fixed_num_drafts is None and self.planner.policy.draft_curve is None:
             reason = "the adaptive engine runs without draft passes (no draft cost curve)"
+        elif "ready_masks" not in inspect.signature(self.planner.policy.decide).parameters:
+            reason = "the drafter's own draft_policy decides without `ready_masks` (a block drafted in a verification)"
         else:
             reason = fused_drafting_unavailable(self.drafter, target)
         if reason is not None:
@@ -281,17 +284,18 @@ class D3DCandidateGenerator(CandidateGenerator):
         lookup, ngram_size = planner.lookup(input_ids, limit, proposer.eos_token_ids)
         cache = self.passes.pass_cache()
         num_pending = cur_len - cache.get_seq_length()
+        ready_kwargs = {} if ready is None else {"ready_masks": ready.shape[0]}  # a user's policy may not take it
         decision = planner.policy.decide(
             num_pending,
             0 if lookup is None else lookup.shape[1],
             max_candidates=limit,
             lookup_ngram_size=ngram_size or None,
-            ready_masks=0 if ready is None else ready.shape[0],
+            **ready_kwargs,
         )
         drafts, scores, confidences, draft_seconds = [], [], None, None
         if decision.source == "lookup":
             drafts, scores = proposer.lookup_drafts(input_ids, lookup[0, : decision.num_lookup].tolist())
-        elif decision.ready:  # drafted inside the last verification: no pass
+        elif getattr(decision, "ready", False):  # drafted inside the last verification: no pass
             drafts, scores = proposer.choose(input_ids, ready.float()[: min(limit, ready.shape[0])])
             if drafts:
                 confidences = proposer.confidences(drafts, scores)

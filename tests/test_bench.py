@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _tiny import tiny_target
+from _tiny import tiny_target, weight_sharing_drafter
 
 from d3d_hf import D3DForDiffusionDrafting
 from d3d_hf.bench import (
@@ -12,6 +12,7 @@ from d3d_hf.bench import (
     BenchMethod,
     PromptRun,
     RoundStats,
+    format_round_plans,
     format_table,
     merge_results,
     register_method,
@@ -147,7 +148,7 @@ def test_every_method_matches_the_target_and_reports_rounds(pair):
         prompt_lookup_num_tokens=3,
     )
     assert list(result["summary"]) == ["target", "pld", "ar-assist", "d3d", "d3d-async", "d3d-tree", "engine-lookup",
-                                      "d3d-own-cache", "d3d-target-layouts"]
+                                      "d3d-no-fused", "d3d-own-cache", "d3d-target-layouts"]
     for run in result["runs"]["engine-lookup"]:  # the engine without its drafter never drafts
         assert "drafter" not in run["round_sources"]
     assert result["summary"]["engine-lookup"]["drafter_token_share"] == 0.0
@@ -176,6 +177,21 @@ def test_every_method_matches_the_target_and_reports_rounds(pair):
     assert 0.0 <= result["summary"]["d3d-async"]["hit_rate"] <= 1.0
     # the instrumentation is gone after the calls
     assert "_get_candidate_generator" not in target.__dict__
+
+
+def test_bench_reports_fused_successor_drafting():
+    target = tiny_target("llama", seed=4, sharpen=3.0)
+    drafter = weight_sharing_drafter(target, block_size=4, scale=0.05)
+    result = run_benchmark(target, IdTokenizer(), _prompts(), methods=["target", "d3d", "d3d-no-fused"],
+                           drafter=drafter, max_new_tokens=30, progress=False)
+    fused = result["summary"]["d3d"]["successor"]
+    assert fused["verifications_with_blocks"] > 0 and 0 < fused["hit_rate"] <= 1
+    assert fused["ready_rounds"] > 0 and fused["block_rows_per_verification"] > 0
+    assert sum(fused["verifications_by_blocks"].values()) == fused["verifications_with_blocks"]
+    assert "successor" not in result["summary"]["d3d-no-fused"]
+    assert result["summary"]["d3d-no-fused"]["lossless_match"] == result["summary"]["d3d"]["lossless_match"] == 1.0
+    table = format_round_plans(result["summary"])
+    assert "Fused successor drafting" in table and "| `d3d` |" in table.split("Fused successor")[1]
 
 
 def test_methods_need_their_resources(pair):

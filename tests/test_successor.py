@@ -3,9 +3,6 @@
 import pytest
 import torch
 from _tiny import random_prompt, tiny_target, weight_sharing_drafter
-from transformers import DynamicCache
-
-from d3d_hf import D3DCache, D3DForDiffusionDrafting
 from d3d_hf.modeling.policy_d3d import CostCurve, DraftPolicy
 from d3d_hf.modeling.successor_d3d import (
     block_rows_on_target,
@@ -14,6 +11,9 @@ from d3d_hf.modeling.successor_d3d import (
     successor_attention_inputs,
 )
 from d3d_hf.modeling.tree_d3d import DraftTree
+from transformers import DynamicCache
+
+from d3d_hf import D3DCache, D3DForDiffusionDrafting
 
 
 def _chain(tokens):

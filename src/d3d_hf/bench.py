@@ -78,6 +78,10 @@ class RoundStats:
             denominator of the hit rate; `None` with `hits`.
         round_sources, round_candidates (`list`): per round, where its candidates came from (`"drafter"`,
             `"lookup"`, `"target"`) and how many were sent (the chosen `k`); empty for methods that do not choose.
+        successor_blocks, successor_masks, successor_hit_flags (`list`): fused successor drafting
+            (`D3DGenerationStats`): per verification, the drafter blocks it computed, their masks each, and whether
+            the accepted path ended at one; empty without it.
+        ready_rounds (`int`): rounds whose drafts were such a block (no draft pass).
     """
 
     rounds: int
@@ -89,6 +93,10 @@ class RoundStats:
     packed_rounds: int | None = None
     round_sources: list[str] = field(default_factory=list)
     round_candidates: list[int] = field(default_factory=list)
+    successor_blocks: list[int] = field(default_factory=list)
+    successor_masks: list[int] = field(default_factory=list)
+    successor_hit_flags: list[bool] = field(default_factory=list)
+    ready_rounds: int = 0
 
 
 class RoundRecorder:
@@ -211,6 +219,10 @@ def d3d_round_stats(stats) -> RoundStats:
         packed_rounds=packed_rounds,
         round_sources=list(getattr(stats, "round_sources", [])),
         round_candidates=list(getattr(stats, "round_candidates", [])),
+        successor_blocks=list(getattr(stats, "successor_blocks", [])),
+        successor_masks=list(getattr(stats, "successor_masks", [])),
+        successor_hit_flags=list(getattr(stats, "successor_hit_flags", [])),
+        ready_rounds=int(getattr(stats, "ready_rounds", 0)),
     )
 
 
@@ -420,6 +432,12 @@ _register_d3d_variant(
     d3d_draft_passes=False,
 )
 _register_d3d_variant(
+    "d3d-no-fused",
+    "the default D3D engine with fused successor drafting off (every drafter round runs its own draft pass): what "
+    "`d3d` adds over it is what drafting inside the verifications adds",
+    d3d_fused_drafting=False,
+)
+_register_d3d_variant(
     "d3d-own-cache",
     "D3D (chain rounds) with the drafter's own cache: committed tokens re-run by the drafter (the ablation of "
     "`d3d_share_target_cache`)",
@@ -450,7 +468,8 @@ class PromptRun:
         drafted_tokens (`int`): draft tokens proposed.
         hits (`int`, *optional*): pre-drafted rounds (methods with a hit rate), else `None`.
         packed_rounds (`int`, *optional*): rounds that followed a packed pass (the hit rate's denominator).
-        round_sources, round_candidates (`list`): as in `RoundStats`.
+        round_sources, round_candidates, successor_blocks, successor_masks, successor_hit_flags (`list`),
+        ready_rounds (`int`): as in `RoundStats`.
     """
 
     prompt_id: str
@@ -468,6 +487,10 @@ class PromptRun:
     packed_rounds: int | None = None
     round_sources: list[str] = field(default_factory=list)
     round_candidates: list[int] = field(default_factory=list)
+    successor_blocks: list[int] = field(default_factory=list)
+    successor_masks: list[int] = field(default_factory=list)
+    successor_hit_flags: list[bool] = field(default_factory=list)
+    ready_rounds: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -537,12 +560,30 @@ def _round_plan_summary(runs: Sequence[PromptRun]) -> dict[str, Any]:
         for source, length in zip(r.round_sources, r.acceptance_lengths, strict=False):
             tokens[source] += length
     committed = sum(tokens.values())
-    return {
+    out = {
         "round_sources": dict(sorted(Counter(sources).items())),
         "tokens_by_source": dict(sorted(tokens.items())),
         "drafter_token_share": tokens["drafter"] / committed if committed else 0.0,
         "candidates_histogram": {str(k): counts[k] for k in sorted(counts)},
     }
+    verifications, hits, rows = Counter(), Counter(), 0
+    for r in runs:
+        for blocks, masks, hit in zip(r.successor_blocks, r.successor_masks, r.successor_hit_flags, strict=False):
+            if blocks:
+                verifications[blocks] += 1
+                hits[blocks] += int(hit)
+                rows += blocks * masks
+    if verifications:
+        total = sum(verifications.values())
+        out["successor"] = {
+            "verifications_with_blocks": total,
+            "block_rows_per_verification": rows / total,
+            "hit_rate": sum(hits.values()) / total,
+            "hit_rate_by_blocks": {str(n): hits[n] / verifications[n] for n in sorted(verifications)},
+            "verifications_by_blocks": {str(n): verifications[n] for n in sorted(verifications)},
+            "ready_rounds": sum(r.ready_rounds for r in runs),
+        }
+    return out
 
 
 def format_round_plans(summary: dict[str, dict[str, Any]]) -> str:
@@ -565,6 +606,24 @@ def format_round_plans(summary: dict[str, dict[str, Any]]) -> str:
             f"| `{method}` | {sources.get('target', 0)} | {sources.get('lookup', 0)} | {sources.get('drafter', 0)} "
             f"| {share_text} | {histogram} |"
         )
+    fused = [(m, s["successor"]) for m, s in rows if s.get("successor")]
+    if fused:
+        lines += [
+            "",
+            "Fused successor drafting (blocks drafted inside verifications; a hit: the accepted path ended at one):",
+            "",
+            "| method | verifications with blocks | block rows each | hit rate | hit rate by blocks (blocks: rate, "
+            "verifications) | rounds drafted by a hit (no pass) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for method, f in fused:
+            counts = f["verifications_by_blocks"]
+            rates = f["hit_rate_by_blocks"].items()
+            by_blocks = ", ".join(f"{n}: {100 * rate:.0f}% ({counts[n]})" for n, rate in rates)
+            lines.append(
+                f"| `{method}` | {f['verifications_with_blocks']} | {f['block_rows_per_verification']:.1f} "
+                f"| {100 * f['hit_rate']:.0f}% | {by_blocks} | {f['ready_rounds']} |"
+            )
     return "\n".join(lines)
 
 
@@ -701,6 +760,10 @@ def run_benchmark(
                 packed_rounds=stats.packed_rounds,
                 round_sources=list(stats.round_sources),
                 round_candidates=list(stats.round_candidates),
+                successor_blocks=list(stats.successor_blocks),
+                successor_masks=list(stats.successor_masks),
+                successor_hit_flags=list(stats.successor_hit_flags),
+                ready_rounds=stats.ready_rounds,
             )
             runs[m].append(run)
             per_method[m] = run
