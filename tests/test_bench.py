@@ -181,7 +181,12 @@ def test_every_method_matches_the_target_and_reports_rounds(pair):
 
 def test_bench_reports_fused_successor_drafting():
     target = tiny_target("llama", seed=4, sharpen=3.0)
-    drafter = weight_sharing_drafter(target, block_size=4, scale=0.05)
+    drafter = weight_sharing_drafter(target, block_size=4, scale=0.05, seed=3)
+    # pinned through the drafter's own generation config (what the bench's methods read unless a method sets the
+    # option): a block after every acceptance length, so that hits do not depend on timings or on a policy an
+    # earlier test of the process calibrated; `d3d-no-fused` sets d3d_fused_drafting=False itself
+    drafter.generation_config.d3d_num_drafts = 3
+    drafter.generation_config.d3d_fused_drafting = True
     result = run_benchmark(target, IdTokenizer(), _prompts(), methods=["target", "d3d", "d3d-no-fused"],
                            drafter=drafter, max_new_tokens=30, progress=False)
     fused = result["summary"]["d3d"]["successor"]

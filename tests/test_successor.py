@@ -226,13 +226,15 @@ def test_shipped_drafter_fused_drafting_is_lossless_on_smollm2(smollm2):
 
     target, tokenizer = smollm2
     drafter = load_drafter("d3d-smollm2-135m-instruct")
-    for name in ("humaneval", "mt-bench"):
+    for name, plans in (("humaneval", ({}, {"d3d_num_drafts": 3, "d3d_fused_drafting": True})), ("mt-bench", ({},))):
         prompt = encode_prompt(tokenizer, load_prompts(name, limit=1)[0])
         expected = _greedy(target, prompt)
-        for options in ({}, {"d3d_num_drafts": 3, "d3d_fused_drafting": True}):
+        for options in plans:
             assert _greedy(target, prompt, drafter, **options) == expected, (name, options)
-            assert drafter.last_generation_stats.fused_drafting
-        assert drafter.last_generation_stats.ready_rounds > 0
+            stats = drafter.last_generation_stats
+            assert stats.fused_drafting
+            if options:  # a block after every acceptance length: the rounds after the first draft in the verification
+                assert stats.ready_rounds >= stats.rounds - 2 > 0
 
 
 def test_fused_drafting_true_is_refused_for_a_call_only_transformers_loop_runs(shared_pair):
