@@ -27,6 +27,7 @@ import torch
 from transformers.generation import GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .batched_decoding_d3d import batched_assisted_decoding, needs_batched_loop
 from .options_d3d import D3DGenerationOptions
 from .tree_d3d import (
     check_tree_cache,
@@ -313,7 +314,7 @@ def d3d_assisted_decoding(
 
 def install_decoding_hook() -> None:
     """Wraps `GenerationMixin._assisted_decoding` so that a D3D assistant's call runs `d3d_assisted_decoding` (module
-    docstring). Idempotent; undo with `remove_decoding_hook()`. Skipped (D3D then decodes in transformers' loop,
+    docstring), or `batched_decoding_d3d.batched_assisted_decoding` for a batch or a padded prompt. Idempotent; undo with `remove_decoding_hook()`. Skipped (D3D then decodes in transformers' loop,
     chain verification only) when the method is missing or its parameters changed.
     """
     current = getattr(GenerationMixin, "_assisted_decoding", None)
@@ -325,6 +326,12 @@ def install_decoding_hook() -> None:
     @functools.wraps(current)
     def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs):
         assistant = kwargs.get("assistant_model")
+        if getattr(assistant, "build_candidate_generator", None) is not None and needs_batched_loop(
+            input_ids, kwargs.get("attention_mask")
+        ):  # several sequences, or padding: D3D's batched loop (a batch of one unpadded prompt never comes here)
+            return batched_assisted_decoding(
+                self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs
+            )
         if getattr(assistant, "build_candidate_generator", None) is not None:
             options = D3DGenerationOptions.resolve(generation_config, assistant)
             loop, budget = options.decoding_loop, options.tree_budget

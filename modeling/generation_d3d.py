@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .async_rounds_d3d import PackedSuccessorDrafting
+from .batched_decoding_d3d import check_batch_options
 from .hooks_d3d import check_prompt_and_drafter
 from .options_d3d import D3DGenerationOptions
 from .planner_d3d import DraftPasses, RoundPlanner, target_forward_context
@@ -94,7 +95,8 @@ class D3DCandidateGenerator(CandidateGenerator):
 
     Args:
         drafter (`D3DForDiffusionDrafting`): the drafter.
-        input_ids (`torch.LongTensor` of shape `(1, seq_len)`): the prompt.
+        input_ids (`torch.LongTensor` of shape `(batch_size, seq_len)`): the prompt (a batch: left-padded, for D3D's
+            batched loop, `batched_decoding_d3d`).
         generation_config (`GenerationConfig`): the target's generation config for this call.
         logits_processor (`LogitsProcessorList`): the target's logits processors (and warpers when sampling).
         target_tokenizer (`PreTrainedTokenizerBase`, *optional*): needed for `stop_strings`.
@@ -103,7 +105,9 @@ class D3DCandidateGenerator(CandidateGenerator):
         Other keyword arguments of transformers' candidate-generator factory are accepted and ignored.
 
     Raises:
-        ValueError: before any forward pass, for a batch size other than 1, an empty prompt, a prompt longer than
+        ValueError: before any forward pass, for a batch with a tree or `d3d_async=True` (`check_batch_options`;
+            a batch is decoded by `batched_decoding_d3d`, which uses this generator's pieces), an empty prompt, a
+            prompt longer than
             the target's or the drafter's `max_position_embeddings`, a drafter without a mask token, `stop_strings`
             without a tokenizer, or an option that `D3DGenerationOptions.resolve` refuses.
     """
@@ -118,16 +122,13 @@ class D3DCandidateGenerator(CandidateGenerator):
         target=None,
         **unused: Any,
     ) -> None:
-        if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"D3D speculative decoding runs one sequence at a time (transformers' assisted generation is batch "
-                f"size 1 only); got a batch of {input_ids.shape[0]}. Call `generate` once per prompt."
-            )
         check_prompt_and_drafter(drafter, input_ids.shape[1], target)
         self.drafter = drafter
         self.block_size = int(drafter.config.block_size)
         self.max_length = generation_config.max_length
         self.options = options = D3DGenerationOptions.resolve(generation_config, drafter)
+        self.batch_size = int(input_ids.shape[0])
+        check_batch_options(options, self.batch_size)
         self.stats = stats = D3DGenerationStats(options=options)
         drafter.last_generation_stats = stats
         self.proposer = DraftProposer(
@@ -142,6 +143,9 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.passes = DraftPasses(drafter)
         self.round_clock = RoundClock(stats.draft_seconds, stats.verify_seconds)
         stats.asynchronous = resolve_asynchronous(options, self.passes.device, stats.overrides)
+        if stats.asynchronous and self.batch_size > 1:  # `"auto"` on CUDA (`True` was refused for a batch)
+            stats.asynchronous = False
+            stats.overrides["d3d_async"] = "auto -> False: a batch drafts synchronously (batched_decoding_d3d)"
         self.tree = self.asynchronous_rounds = self.planner = self.successors = None
         if stats.asynchronous:
             fixed = options.num_drafts
@@ -265,11 +269,19 @@ class D3DCandidateGenerator(CandidateGenerator):
         Args:
             input_ids (`torch.LongTensor` of shape `(1, seq_len)`): the committed sequence.
 
+        Raises:
+            ValueError: for a batch (D3D's batched loop, `batched_decoding_d3d`, drafts a batch's rounds itself).
+
         Returns:
             `(candidate_input_ids, candidate_logits)`: `input_ids` followed by the drafts, shape `(1, seq_len +
             num_drafts)`, and the processed draft scores, `torch.FloatTensor` of shape `(1, num_drafts,
             vocab_size)` (`None` when nothing is drafted).
         """
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"`get_candidates` drafts for one sequence, got a batch of {input_ids.shape[0]}: a batch is decoded "
+                "by D3D's own loop (`target.generate(..., assistant_model=drafter)` with d3d_decoding_loop='d3d')."
+            )
         self.round_clock.start_draft()
         cur_len = input_ids.shape[1]
         limit = min(self.block_size - 1, self.max_length - cur_len - 1)
