@@ -50,7 +50,6 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .drafting_d3d import D3DCache
 from .estimates_d3d import expected_tokens
 from .fast_paths_d3d import GQA_SDPA
-from .lookup_d3d import lookup_match
 from .options_d3d import D3DGenerationOptions
 from .sampling_d3d import GumbelNoise, _mix
 
@@ -201,9 +200,10 @@ class RaggedSlots:
         if self.num_slots - longest < max(min_waste, self.num_slots // 4):
             return None
         order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :longest]
-        keep = torch.arange(longest, device=self.valid.device)[None, :] < torch.tensor(
-            self.lengths, device=self.valid.device
-        )[:, None]
+        keep = (
+            torch.arange(longest, device=self.valid.device)[None, :]
+            < torch.tensor(self.lengths, device=self.valid.device)[:, None]
+        )
         self.valid = keep
         return torch.where(keep, order, 0)
 
@@ -333,12 +333,11 @@ class BatchedRounds:
     def plan(self) -> tuple[list[_Plan], str, int]:
         """The round's candidates for every active sequence, the round's source and its masks."""
         planner, proposer = self.generator.planner, self.generator.proposer
-        policy = planner.policy
         limits = [self.limit(a) for a in self.active]
         lookups = []
         for a, limit in zip(self.active, limits, strict=True):
-            tokens, ngram = (None, None) if limit == 0 else planner.lookup(
-                self.own_tokens(a), limit, proposer.eos_token_ids
+            tokens, ngram = (
+                (None, None) if limit == 0 else planner.lookup(self.own_tokens(a), limit, proposer.eos_token_ids)
             )
             lookups.append((tokens[0].tolist() if tokens is not None and tokens.shape[1] else [], ngram))
         source, masks, lookup_for = self._decide(limits, lookups)
@@ -619,7 +618,8 @@ def batched_assisted_decoding(
     attention_mask = attention_mask.bool()
     if attention_mask.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(
-            f"`attention_mask` must have the prompts' shape {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}."
+            f"`attention_mask` must have the prompts' shape {tuple(input_ids.shape)}, got "
+            f"{tuple(attention_mask.shape)}."
         )
     if bool((attention_mask[:, 1:] < attention_mask[:, :-1]).any()) or not bool(attention_mask[:, -1].all()):
         raise ValueError(

@@ -314,8 +314,9 @@ def d3d_assisted_decoding(
 
 def install_decoding_hook() -> None:
     """Wraps `GenerationMixin._assisted_decoding` so that a D3D assistant's call runs `d3d_assisted_decoding` (module
-    docstring), or `batched_decoding_d3d.batched_assisted_decoding` for a batch or a padded prompt. Idempotent; undo with `remove_decoding_hook()`. Skipped (D3D then decodes in transformers' loop,
-    chain verification only) when the method is missing or its parameters changed.
+    docstring), or `batched_decoding_d3d.batched_assisted_decoding` for a batch or a padded prompt. Idempotent; undo
+    with `remove_decoding_hook()`. Skipped (D3D then decodes in transformers' loop, chain verification only) when the
+    method is missing or its parameters changed.
     """
     current = getattr(GenerationMixin, "_assisted_decoding", None)
     if current is None or getattr(current, _HOOK_ATTRIBUTE, False):
