@@ -270,3 +270,32 @@ def test_smollm2_batch_with_the_shipped_drafter(smollm2):
             assert generated(out[i], ids.shape[1], eos) == alone[i], (plan, i)
         stats = drafter.last_generation_stats
         assert stats.shared_target_cache and stats.accepted_drafts > 0
+
+
+def test_bench_batch_size(tiny_folders, tmp_path, capsys):
+    """`d3d-hf bench --batch-size 3`: target and d3d decode each batch in one call, pld runs its prompts one at a time
+    (the table says so); a run is one batch, lossless per sequence."""
+    import json
+
+    from d3d_hf.cli import main
+
+    lines = [json.dumps({"prompt": " ".join(f"t{5 + (7 * i + 3 * j) % 90}" for j in range(n))})
+             for i, n in enumerate((9, 4, 12, 6, 3))]
+    (tmp_path / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "r.json"
+    argv = ["bench", "--drafter", str(tiny_folders / "drafter"), "--methods", "target,pld,d3d", "--prompts",
+            str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "10", "--threads", "1", "--batch-size", "3",
+            "--output", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| target (batch of 3) |" in printed and "| pld (one at a time) |" in printed
+    assert "| d3d (batch of 3) |" in printed
+    result = json.loads(out.read_text())
+    assert result["settings"]["batch_size"] == 3
+    for method, summary in result["summary"].items():
+        assert summary["lossless_match"] == 1.0 and summary["prompts"] == 2, method  # batches of 3 and 2
+        assert summary["one_at_a_time"] == (method == "pld")
+    target_runs, d3d_runs = result["runs"]["target"], result["runs"]["d3d"]
+    assert [len(s) for s in d3d_runs[0]["sequences"]] == [len(s) for s in target_runs[0]["sequences"]]
+    assert d3d_runs[0]["new_tokens"] == target_runs[0]["new_tokens"] and d3d_runs[0]["prompt_id"].count("+") == 2
+    assert result["method_settings"]["d3d"]["overrides"]["batch_size"] == "2"  # the last call: the batch of two
