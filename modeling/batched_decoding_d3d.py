@@ -41,10 +41,16 @@ the plan, the other prompts or the padding), and the first prompt of a batch sam
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
 import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .drafting_d3d import D3DCache
@@ -243,6 +249,26 @@ def _check_cache(cache) -> None:
         )
 
 
+def sequence_processors(logits_processor, index: int) -> LogitsProcessorList:
+    """The call's logits processors as sequence `index` of the batch sees them, called on its row alone (batch 1):
+    transformers' processors with per-sequence state get sequence `index`'s (`RepetitionPenaltyLogitsProcessor`'s
+    `prompt_ignore_length`, the row's padding; `PrefixConstrainedLogitsProcessor`'s function, called with
+    `batch_id=index`); the others are shared as they are."""
+    rows = LogitsProcessorList()
+    for processor in logits_processor or []:
+        if isinstance(processor, RepetitionPenaltyLogitsProcessor) and isinstance(
+            processor.prompt_ignore_length, torch.Tensor
+        ):
+            processor = copy.copy(processor)
+            processor.prompt_ignore_length = processor.prompt_ignore_length[index : index + 1]
+        elif isinstance(processor, PrefixConstrainedLogitsProcessor):
+            function = processor._prefix_allowed_tokens_fn
+            processor = copy.copy(processor)
+            processor._prefix_allowed_tokens_fn = lambda batch_id, sent, f=function, i=index: f(i, sent)
+        rows.append(processor)
+    return rows
+
+
 class _ShiftedNoise:
     """One sequence's Gumbel noise, read at positions of its padded row (`position - offset` is the token's index
     in the unpadded sequence)."""
@@ -306,6 +332,7 @@ class BatchedRounds:
             None if call_noise is None else _ShiftedNoise(sequence_noise(call_noise, a), self.offsets[a])
             for a in range(batch)
         ]
+        self.processors = [sequence_processors(generator.proposer.logits_processor, a) for a in range(batch)]
         impl = getattr(target.config, "_attn_implementation", None)
         self.bool_mask = impl in ("sdpa", GQA_SDPA)
         self.dtype = next(target.parameters()).dtype
@@ -438,7 +465,7 @@ class BatchedRounds:
         for r, a in enumerate(self.active):
             if plans[r].source == "lookup" or limits[r] == 0:
                 continue
-            proposer.noise = self.noise[a]
+            proposer.noise, proposer.logits_processor = self.noise[a], self.processors[a]
             drafts, scores = proposer.choose(self.rows[a], logits[r, : min(masks, limits[r])])
             confidences = proposer.confidences(drafts, scores) if drafts else []
             plans[r] = _Plan("drafter", drafts, scores, confidences)
@@ -473,7 +500,7 @@ class BatchedRounds:
 
     # -- verification -----------------------------------------------------------------------------------------------
 
-    def verify(self, plans: list[_Plan], logits_processor, generation_config, do_sample: bool):
+    def verify(self, plans: list[_Plan], do_sample: bool):
         """One target forward over every active sequence's pending tokens and drafts; returns per cache row the
         committed tokens `(1, n + 1)`, the number of accepted drafts `n`, and the processed / raw score rows of the
         committed tokens."""
@@ -516,9 +543,10 @@ class BatchedRounds:
             drafts = torch.cat(plan.drafts, dim=1).to(row.device) if k else row.new_zeros((1, 0))
             candidates = torch.cat([row, drafts], dim=1)
             cur_len = row.shape[1]
-            if len(logits_processor) > 0:
+            processors = self.processors[a]
+            if len(processors) > 0:
                 for i in range(k + 1):
-                    new_logits[i : i + 1] = logits_processor(candidates[:, : cur_len + i], new_logits[i : i + 1])
+                    new_logits[i : i + 1] = processors(candidates[:, : cur_len + i], new_logits[i : i + 1])
             noise = self.noise[a]
             if do_sample and noise is None and k:
                 valid, n = _speculative_sampling(
@@ -669,7 +697,7 @@ def batched_assisted_decoding(
             start = time.perf_counter()
             plans, source, masks = rounds.plan()
             drafted = time.perf_counter()
-            results = rounds.verify(plans, logits_processor, generation_config, do_sample)
+            results = rounds.verify(plans, do_sample)
             kept, finished, committed, accepted = [], [], 0, 0
             for r, a in enumerate(list(rounds.active)):
                 valid, n, new_logits, raw = results[r]

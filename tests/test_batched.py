@@ -244,17 +244,22 @@ def test_pipeline_with_batch_size(tiny):
     assert own.last_generation_stats.overrides["batch_size"] == "4"
 
 
+def _smollm2_batch(tokenizer):
+    """The shipped drafter and four HumanEval prompts cut to different lengths."""
+    from d3d_hf.drafters import load_drafter
+    from d3d_hf.prompts import encode_prompt, load_prompts
+
+    encoded = [encode_prompt(tokenizer, p)[0] for p in load_prompts("humaneval", limit=4)]
+    prompts = [e[-n:] for e, n in zip(encoded, (40, 25, 52, 33), strict=True)]
+    return load_drafter("d3d-smollm2-135m-instruct"), prompts
+
+
 def test_smollm2_batch_with_the_shipped_drafter(smollm2):
     """The real target and the shipped drafter (shares the target's cache): four prompts of different lengths, an
     eos that one sequence emits mid-way, the default engine and a fixed plan: each sequence is its target-only
     output."""
-    from d3d_hf.drafters import load_drafter
-    from d3d_hf.prompts import encode_prompt, load_prompts
-
     model, tokenizer = smollm2
-    drafter = load_drafter("d3d-smollm2-135m-instruct")
-    encoded = [encode_prompt(tokenizer, p)[0] for p in load_prompts("humaneval", limit=4)]
-    prompts = [e[-n:] for e, n in zip(encoded, (40, 25, 52, 33), strict=True)]
+    drafter, prompts = _smollm2_batch(tokenizer)
     max_new = 20
     stops, free = _stop_tokens(model, prompts, max_new)
     eos = stops[0]
@@ -270,6 +275,22 @@ def test_smollm2_batch_with_the_shipped_drafter(smollm2):
             assert generated(out[i], ids.shape[1], eos) == alone[i], (plan, i)
         stats = drafter.last_generation_stats
         assert stats.shared_target_cache and stats.accepted_drafts > 0
+
+
+@pytest.mark.slow
+def test_smollm2_batch_stop_strings(smollm2):
+    """A stop string that one sequence reaches mid-way: every sequence ends where target-only batched decoding ends
+    it (the drafter's drafts never complete it; the loop cuts at it)."""
+    model, tokenizer = smollm2
+    drafter, prompts = _smollm2_batch(tokenizer)
+    stops, _ = _stop_tokens(model, prompts, 20)
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+    kw = dict(do_sample=False, max_new_tokens=20, pad_token_id=tokenizer.pad_token_id,
+              stop_strings=[tokenizer.decode([stops[0]])], tokenizer=tokenizer)
+    reference = model.generate(ids, attention_mask=mask, **kw)
+    assert (reference[:, -1] == tokenizer.pad_token_id).any()
+    out = model.generate(ids, attention_mask=mask, assistant_model=drafter, d3d_num_drafts=3, **kw)
+    assert torch.equal(out, reference)
 
 
 def test_bench_batch_size(tiny_folders, tmp_path, capsys):
@@ -299,3 +320,48 @@ def test_bench_batch_size(tiny_folders, tmp_path, capsys):
     assert [len(s) for s in d3d_runs[0]["sequences"]] == [len(s) for s in target_runs[0]["sequences"]]
     assert d3d_runs[0]["new_tokens"] == target_runs[0]["new_tokens"] and d3d_runs[0]["prompt_id"].count("+") == 2
     assert result["method_settings"]["d3d"]["overrides"]["batch_size"] == "2"  # the last call: the batch of two
+
+
+def test_processors_eos_lists_and_scores_follow_target_only_batching(tiny):
+    """Logits processors see each sequence's own padded row, a list of eos ids ends each sequence where it ends
+    alone, and `output_scores` gives per step the scores of target-only batched decoding for the sequences still
+    running."""
+    target, own, shared, prompts = tiny
+    ids, mask = left_pad(prompts)
+    kw = dict(do_sample=False, max_new_tokens=16, pad_token_id=0, repetition_penalty=1.3, no_repeat_ngram_size=3,
+              return_dict_in_generate=True, output_scores=True)
+    free = target.generate(ids, attention_mask=mask, eos_token_id=None, **kw).sequences[:, ids.shape[1] :]
+    eos = [int(free[1, 5]), int(free[3, 9])]
+    reference = target.generate(ids, attention_mask=mask, eos_token_id=eos, **kw)
+    for drafter, plan in ((own, {"d3d_num_drafts": 3}), (shared, {})):
+        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, eos_token_id=eos, **kw, **plan)
+        assert torch.equal(out.sequences, reference.sequences)
+        lengths = [next((i + 1 for i, t in enumerate(row[ids.shape[1] :].tolist()) if t in eos), 16)
+                   for row in out.sequences]
+        assert min(lengths) < 16 and len(out.scores) == max(lengths) == 16
+        for t, step in enumerate(out.scores):
+            running = [a for a, n in enumerate(lengths) if t < n]
+            torch.testing.assert_close(step[running], reference.scores[t][running])
+
+
+def test_speculative_sampling_in_a_batch(sampling_pair):
+    target, drafter = sampling_pair
+    ids, mask = left_pad([random_prompt(9, seed=3)[0], random_prompt(4, seed=5)[0]])
+    out = _sample(target, drafter, ids, mask, d3d_sampling="speculative", d3d_num_drafts=3)
+    stats = drafter.last_generation_stats
+    assert out.shape[1] <= ids.shape[1] + 24 and stats.options.sampling == "speculative" and stats.drafted_tokens > 0
+
+
+def test_prefix_allowed_tokens_fn_gets_each_sequence_batch_id(tiny):
+    target, own, _, prompts = tiny
+    ids, mask = left_pad(prompts)
+
+    def allowed(batch_id, sent):  # each sequence its own band of the vocabulary
+        return list(range(3 + 20 * batch_id, 23 + 20 * batch_id))
+
+    kw = dict(do_sample=False, max_new_tokens=10, pad_token_id=0, prefix_allowed_tokens_fn=allowed)
+    reference = target.generate(ids, attention_mask=mask, **kw)
+    out = target.generate(ids, attention_mask=mask, assistant_model=own, d3d_num_drafts=3, **kw)
+    assert torch.equal(out, reference)
+    for a in range(len(prompts)):
+        assert all(3 + 20 * a <= t < 23 + 20 * a for t in out[a, ids.shape[1] :].tolist())
