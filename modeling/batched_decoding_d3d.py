@@ -23,9 +23,11 @@ stops costing rows.
 step, a prompt-lookup round (each sequence its own match) and a draft pass of `m` masks for every sequence (each
 sequence may send its lookup match instead where that is expected to give more), by the same rule as one sequence
 with its terms summed over the sequences: expected committed tokens of the batch per second, with the verify
-curve read at the batch's total rows `batch x R` and the draft curve at `batch x (pending + m)`. A fixed
+curve read at the batch's total rows `batch x R` and the draft curve at `batch x (pending + m)`; after the pass, one
+number `k` of drafts for every drafting sequence, by the same rule on the drafts' calibrated confidences. A fixed
 `d3d_num_drafts=k` drafts `k` masks for every sequence each round. Timings of batched forwards are not learned into
-the cost curves (they are curves of one sequence); acceptance is learned per sequence.
+the cost curves (they are curves of one sequence); acceptance is learned per sequence. Exploration is the warm-up
+only (a drafter round while the calibrator has seen none), not the periodic rounds of `DraftPolicy.decide`.
 
 **What each sequence sees** is what transformers' batched target-only decoding gives its row: logits processors
 and stopping criteria run on the sequence's own row (the left-padded prompt, then its own tokens), and
@@ -298,6 +300,7 @@ class _Plan:
     def __init__(self, source="target", drafts=None, scores=None, confidences=None, ngram=None) -> None:
         self.source, self.drafts, self.scores = source, drafts or [], scores or []
         self.confidences, self.ngram = confidences, ngram
+        self.probabilities: list[float] = []  # a lookup plan's expected acceptance per draft
 
 
 class BatchedRounds:
@@ -376,6 +379,7 @@ class BatchedRounds:
                 if lookup_for[row] and count > 0:
                     drafts, scores = proposer.lookup_drafts(self.rows[a], tokens[:count])
                     plans[row] = _Plan("lookup", drafts, scores, ngram=ngram)
+                    plans[row].probabilities = planner.policy.lookup.probabilities(len(drafts), ngram or None)
         if source == "drafter":
             self._draft(plans, limits, masks)
         return plans, source, masks
@@ -417,8 +421,9 @@ class BatchedRounds:
         policy, batch = planner.policy, len(self.active)
         if max(limits) == 0 or policy.mode == "off":
             return "target", 0, [False] * batch
-        if planner.mode != "adaptive":
-            return "drafter", int(planner.fixed_num_drafts), [False] * batch
+        if planner.mode != "adaptive" or policy.mode != "adaptive":  # a fixed plan (or a user's fixed policy)
+            fixed = planner.fixed_num_drafts if planner.mode != "adaptive" else policy.mode
+            return "drafter", int(fixed), [False] * batch
         options = self._rate_options(limits, lookups)
         drafting = [o for o in options if o[2] == "drafter"]
         if drafting and policy.calibrator.num_observations == 0:  # warm-up: see the drafter's acceptance once
@@ -479,16 +484,15 @@ class BatchedRounds:
         batch = len(self.active)
         pending = [self.pending(r) for r in range(batch)]
         probabilities = [
-            policy.calibrator.probabilities(p.confidences) if p.source == "drafter" else None for p in plans
+            policy.calibrator.probabilities(p.confidences) if p.source == "drafter" else p.probabilities for p in plans
         ]
         most = max((len(p.drafts) for p in plans if p.source == "drafter"), default=0)
         options = []
         for k in range(most + 1):
             tokens, rows = 0.0, 0
             for r, p in enumerate(plans):
-                count = min(k, len(p.drafts)) if p.source == "drafter" else len(p.drafts)
-                probs = probabilities[r] if p.source == "drafter" else [1.0] * count  # lookup: counted as sent
-                tokens += expected_tokens(probs, count)
+                count = min(k, len(p.drafts)) if p.source == "drafter" else len(p.drafts)  # lookup: sent as is
+                tokens += expected_tokens(probabilities[r], count)
                 rows = max(rows, pending[r] + count)
             seconds = draft_seconds + policy.verify_curve(batch * rows)
             options.append((tokens / seconds, seconds, k))
