@@ -89,8 +89,8 @@ def check_batch_options(options: D3DGenerationOptions, batch_size: int, padded: 
             one sequence).
 
     Raises:
-        ValueError: for a batch (or padded prompts) with a tree (`d3d_tree_budget`), `d3d_async=True` or
-            `d3d_decoding_loop="transformers"`, naming what to change.
+        ValueError: for a batch (or padded prompts) with a tree (`d3d_tree_budget`), `d3d_async=True`,
+            `d3d_fused_drafting=True` or `d3d_decoding_loop="transformers"`, naming what to change.
     """
     if batch_size <= 1 and not padded:
         return
@@ -105,6 +105,11 @@ def check_batch_options(options: D3DGenerationOptions, batch_size: int, padded: 
         raise ValueError(
             f"Asynchronous drafting (`d3d_async=True`) decodes one sequence at a time, and this call has {what}. "
             "Drop `d3d_async=True` (batched rounds draft synchronously), or call `generate` once per unpadded prompt."
+        )
+    if options.fused_drafting is True:
+        raise ValueError(
+            f"Fused successor drafting (`d3d_fused_drafting=True`) decodes one sequence at a time, and this call has "
+            f"{what}. Drop the option (a batch drafts with one pass per round), or call `generate` once per prompt."
         )
     if options.decoding_loop == "transformers":
         raise ValueError(
@@ -634,9 +639,9 @@ def batched_assisted_decoding(
 
     Raises:
         ValueError: before any forward pass, for a right-padded or empty prompt row, a tree, `d3d_async=True`,
-            `d3d_decoding_loop="transformers"` (`check_batch_options`), a streamer, `synced_gpus`, an
-            encoder-decoder target, a target cache that is not a `DynamicCache` of full-attention layers or is not
-            empty, no `pad_token_id` for a batch, `d3d_sampling="speculative"` without transformers'
+            `d3d_fused_drafting=True`, `d3d_decoding_loop="transformers"` (`check_batch_options`), a streamer,
+            `synced_gpus`, an encoder-decoder target, a target cache that is not a `DynamicCache` of full-attention
+            layers or is not empty, no `pad_token_id` for a batch, `d3d_sampling="speculative"` without transformers'
             `_speculative_sampling`, and for what `D3DCandidateGenerator` refuses.
     """
     attention_mask = model_kwargs.get("attention_mask")
@@ -652,6 +657,12 @@ def batched_assisted_decoding(
         raise ValueError(
             f"`attention_mask` must have the prompts' shape {tuple(input_ids.shape)}, got "
             f"{tuple(attention_mask.shape)}."
+        )
+    empty = [i for i, row in enumerate(attention_mask.tolist()) if not any(row)]
+    if empty:
+        raise ValueError(
+            f"Prompt row(s) {empty} of the batch are all padding (`attention_mask` 0 everywhere): D3D drafts after the "
+            "last committed token, so every prompt needs at least one. Drop those rows or give them a token."
         )
     if bool((attention_mask[:, 1:] < attention_mask[:, :-1]).any()) or not bool(attention_mask[:, -1].all()):
         raise ValueError(
@@ -694,7 +705,7 @@ def batched_assisted_decoding(
     eos_ids = set() if eos is None else {int(t) for t in eos.flatten().tolist()}
     scores = [[] for _ in range(batch)]
     raw_logits = [[] for _ in range(batch)]
-    with generator.own_loop(target, cache):
+    with generator.own_loop(target, cache, batched=True):
         rounds = BatchedRounds(generator, target, cache, cache_key, input_ids, prompt_lengths)
         policy = generator.planner.policy
         while rounds.active:

@@ -128,6 +128,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.max_length = generation_config.max_length
         self.options = options = D3DGenerationOptions.resolve(generation_config, drafter)
         self.batch_size = int(input_ids.shape[0])
+        self.batched = self.batch_size > 1  # the batched loop's rounds (`own_loop(..., batched=True)`)
         check_batch_options(options, self.batch_size)
         self.stats = stats = D3DGenerationStats(options=options)
         drafter.last_generation_stats = stats
@@ -206,13 +207,15 @@ class D3DCandidateGenerator(CandidateGenerator):
         )
 
     @contextlib.contextmanager
-    def own_loop(self, target, cache):
+    def own_loop(self, target, cache, batched: bool = False):
         """Entered by D3D's own decoding loop around its rounds: shares the target's `cache` with the draft passes
         when the drafter computes the same keys and values (`d3d_share_target_cache`; a `DynamicCache` of full
         layers), draws the call's Gumbel noise under drafter-invariant sampling (`d3d_sampling="invariant"` with
         `do_sample=True`: one draw from torch's default generator), runs the target's forwards in their context
-        (`planner_d3d.target_forward_context`) and yields the call's `TreeRounds` (`None` for chain rounds)."""
+        (`planner_d3d.target_forward_context`) and yields the call's `TreeRounds` (`None` for chain rounds).
+        `batched=True`: the batched loop (`batched_decoding_d3d`) drives the rounds, without fused drafting."""
         self.stats.decoding_loop = "d3d"
+        self.batched = batched
         if self.proposer.do_sample and self.options.sampling == "invariant":
             self.proposer.noise = GumbelNoise.from_default_generator(self.drafter.config.vocab_size)
             self.stats.overrides.pop("d3d_sampling", None)
@@ -236,7 +239,9 @@ class D3DCandidateGenerator(CandidateGenerator):
         option = self.options.fused_drafting
         if option is False:
             return
-        if self.stats.asynchronous:
+        if self.batched:  # `True` was refused for a batch (`check_batch_options`)
+            reason = "a batch drafts with one pass per round (batched_decoding_d3d)"
+        elif self.stats.asynchronous:
             reason = "asynchronous rounds draft in the packed pass"
         elif self.tree is not None:
             reason = "tree verification drafts with a pass per round"

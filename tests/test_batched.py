@@ -233,6 +233,10 @@ def test_trees_async_and_right_padding_are_refused(tiny):
         target.generate(ids[1:], attention_mask=mask[1:], assistant_model=own, d3d_tree_budget=4, **kw)
     with pytest.raises(ValueError, match="padding_side = 'left'"):
         target.generate(ids, attention_mask=mask.flip(1), assistant_model=own, **kw)
+    with pytest.raises(ValueError, match="Drop the option"):
+        target.generate(ids, attention_mask=mask, assistant_model=own, d3d_fused_drafting=True, **kw)
+    with pytest.raises(ValueError, match=r"row\(s\) \[1\] of the batch are all padding"):
+        target.generate(ids, attention_mask=mask * torch.tensor([[1], [0]]), assistant_model=own, **kw)
 
 
 def test_pipeline_with_batch_size(tiny):
