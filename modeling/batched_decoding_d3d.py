@@ -697,7 +697,7 @@ def batched_assisted_decoding(
         model_kwargs=model_kwargs,
     )
     stats = generator.stats
-    stats.overrides["batch_size"] = str(batch)
+    stats.batch_size = batch
     return_dict = bool(generation_config.return_dict_in_generate)
     want_scores = return_dict and generation_config.output_scores
     want_logits = return_dict and generation_config.output_logits

@@ -105,7 +105,7 @@ def test_batch_equals_target_alone_with_eos_mid_round(tiny, drafter_kind, plan, 
             lengths.append(len(_cut(free[i], eos)))
         assert min(lengths) < max_new and max(lengths) == max_new, "sequences must stop at different points"
         stats = drafter.last_generation_stats
-        assert stats.decoding_loop == "d3d" and stats.overrides["batch_size"] == "4"
+        assert stats.decoding_loop == "d3d" and stats.batch_size == 4
         assert stats.shared_target_cache == (drafter_kind == "shared")
         assert stats.accepted_drafts > 0
         # finished sequences stop costing rows: the last rounds verify fewer sequences
@@ -127,7 +127,7 @@ def test_batch_of_one_unpadded_keeps_the_one_sequence_path(tiny, monkeypatch):
     p = prompts[0][None]
     kw = dict(do_sample=False, max_new_tokens=12, pad_token_id=0)
     out = target.generate(p, attention_mask=torch.ones_like(p), assistant_model=own, **kw)
-    assert calls == [] and "batch_size" not in own.last_generation_stats.overrides
+    assert calls == [] and own.last_generation_stats.batch_size == 1
     assert torch.equal(out, target.generate(p, attention_mask=torch.ones_like(p), **kw))
     # one padded prompt is a batch: the batched loop, the tokens of the prompt alone
     ids, mask = left_pad([prompts[1], prompts[0]])
@@ -208,7 +208,7 @@ def test_sampling_is_invariant_per_sequence(sampling_pair):
         accepted += drafter.last_generation_stats.accepted_drafts
     assert accepted > 0
     alone = _sample(target, drafter, ids[:1], mask[:1], d3d_num_drafts=2)
-    assert drafter.last_generation_stats.overrides.get("batch_size") is None  # the one-sequence path
+    assert drafter.last_generation_stats.batch_size == 1  # the one-sequence path
     n = alone.shape[1]
     assert torch.equal(alone[0], reference[0, :n]) and set(reference[0, n:].tolist()) <= {0}
     # a padded first sequence too: its noise is read at its own positions, not its padded row's
@@ -251,7 +251,7 @@ def test_pipeline_with_batch_size(tiny):
     assisted = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=own, batch_size=4)
     out = assisted(texts, **kw)
     assert out == plain
-    assert own.last_generation_stats.overrides["batch_size"] == "4"
+    assert own.last_generation_stats.batch_size == 4
 
 
 def _smollm2_batch(tokenizer):
@@ -350,7 +350,7 @@ def test_bench_batch_size(tiny_folders, tmp_path, capsys):
     target_runs, d3d_runs = result["runs"]["target"], result["runs"]["d3d"]
     assert [len(s) for s in d3d_runs[0]["sequences"]] == [len(s) for s in target_runs[0]["sequences"]]
     assert d3d_runs[0]["new_tokens"] == target_runs[0]["new_tokens"] and d3d_runs[0]["prompt_id"].count("+") == 2
-    assert result["method_settings"]["d3d"]["overrides"]["batch_size"] == "2"  # the last call: the batch of two
+    assert d3d_runs[1]["rounds"] < d3d_runs[1]["new_tokens"]  # the batch of two: several tokens per forward
 
 
 def test_processors_eos_lists_and_scores_follow_target_only_batching(tiny):
