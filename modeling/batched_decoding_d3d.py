@@ -56,7 +56,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .drafting_d3d import D3DCache
-from .estimates_d3d import expected_tokens
+from .estimates_d3d import _MIN_SECONDS, expected_tokens
 from .fast_paths_d3d import GQA_SDPA
 from .options_d3d import D3DGenerationOptions
 from .sampling_d3d import GumbelNoise, _mix
@@ -380,7 +380,7 @@ class BatchedRounds:
         if source == "lookup" or source == "drafter":
             for row, a in enumerate(self.active):
                 tokens, ngram = lookups[row]
-                count = min(len(tokens), limits[row], masks if source == "drafter" else len(tokens))
+                count = min(len(tokens), limits[row], masks)  # `masks`: the lookup cap of a lookup round
                 if lookup_for[row] and count > 0:
                     drafts, scores = proposer.lookup_drafts(self.rows[a], tokens[:count])
                     plans[row] = _Plan("lookup", drafts, scores, ngram=ngram)
@@ -396,12 +396,13 @@ class BatchedRounds:
         batch = len(self.active)
         pending = [self.pending(r) for r in range(batch)]
         q = [policy.lookup.probabilities(len(t), n or None) if t else [] for t, n in lookups]
-        options = [(batch / verify(batch * max(pending)), verify(batch * max(pending)), "target", 0, [False] * batch)]
+        step = max(verify(batch * max(pending)), _MIN_SECONDS)
+        options = [(batch / step, step, "target", 0, [False] * batch)]
         longest = max((min(len(t), lim) for (t, _), lim in zip(lookups, limits, strict=True)), default=0)
         for k in range(1, longest + 1):
             counts = [min(len(t), lim, k) for (t, _), lim in zip(lookups, limits, strict=True)]
             tokens = sum(expected_tokens(q[r], counts[r]) for r in range(batch))
-            seconds = verify(batch * max(p + c for p, c in zip(pending, counts, strict=True)))
+            seconds = max(verify(batch * max(p + c for p, c in zip(pending, counts, strict=True))), _MIN_SECONDS)
             options.append((tokens / seconds, seconds, "lookup", k, [c > 0 for c in counts]))
         most = max(limits)
         if draft is not None and most >= 1:
@@ -416,7 +417,7 @@ class BatchedRounds:
                     use.append(by_lookup > by_drafter)
                     tokens += max(by_drafter, by_lookup)
                     rows = max(rows, pending[r] + count)
-                seconds = draft(batch * (draft_pending + m)) + verify(batch * rows)
+                seconds = max(draft(batch * (draft_pending + m)) + verify(batch * rows), _MIN_SECONDS)
                 options.append((tokens / seconds, seconds, "drafter", m, use))
         return options
 
@@ -499,7 +500,7 @@ class BatchedRounds:
                 count = min(k, len(p.drafts)) if p.source == "drafter" else len(p.drafts)  # lookup: sent as is
                 tokens += expected_tokens(probabilities[r], count)
                 rows = max(rows, pending[r] + count)
-            seconds = draft_seconds + policy.verify_curve(batch * rows)
+            seconds = max(draft_seconds + policy.verify_curve(batch * rows), _MIN_SECONDS)
             options.append((tokens / seconds, seconds, k))
         best = max(o[0] for o in options)
         k = min((o for o in options if o[0] >= best * (1 - _TIE_TOLERANCE)), key=lambda o: (o[1], -o[0]))[2]

@@ -409,3 +409,33 @@ def test_prefix_allowed_tokens_fn_gets_each_sequence_batch_id(tiny):
     assert torch.equal(out, reference)
     for a in range(len(prompts)):
         assert all(3 + 20 * a <= t < 23 + 20 * a for t in out[a, ids.shape[1] :].tolist())
+
+
+@pytest.mark.parametrize(
+    ("verify_ms", "expected"), [({1: 10.0, 64: 10.0}, "drafter"), ({1: 10.0, 4: 10.0, 8: 80.0, 64: 640.0}, "target")]
+)
+def test_the_batch_plan_reads_the_curves_at_the_batch_rows(tiny, verify_ms, expected):
+    """The adaptive plan of a batch: with verification as cheap for 64 rows as for one (and cheap passes), every
+    round after the warm-up drafts the most masks. With verification flat up to 4 rows and steep beyond, one sequence
+    would draft (2-4 rows cost a plain step), but the batch of 4 verifies 4 x (1 + m) >= 8 rows: plain steps win."""
+    from d3d_hf.modeling.estimates_d3d import CostCurve
+    from d3d_hf.modeling.policy_d3d import DraftPolicy
+
+    target, _, _, prompts = tiny
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    draft_ms = {1: 0.1, 64: 0.1}
+    drafter.draft_policy = DraftPolicy(
+        verify_curve=CostCurve({q: ms / 1e3 for q, ms in verify_ms.items()}),
+        draft_curve=CostCurve({q: ms / 1e3 for q, ms in draft_ms.items()}),
+        max_drafts=3,
+    )
+    ids, mask = left_pad(prompts)
+    kw = dict(do_sample=False, max_new_tokens=16, pad_token_id=0, eos_token_id=None)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, d3d_prompt_lookup=False, **kw)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, **kw))
+    stats = drafter.last_generation_stats
+    assert stats.round_sources[0] == "drafter"  # the warm-up
+    later = stats.round_sources[1:-1]
+    assert later and all(source == expected for source in later), stats.round_sources
+    if expected == "drafter":
+        assert max(stats.round_candidates) == 3 * len(prompts)
