@@ -327,15 +327,16 @@ def install_decoding_hook() -> None:
     @functools.wraps(current)
     def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs):
         assistant = kwargs.get("assistant_model")
-        if getattr(assistant, "build_candidate_generator", None) is not None and needs_batched_loop(
-            input_ids, kwargs.get("attention_mask")
-        ):  # several sequences, or padding: D3D's batched loop (a batch of one unpadded prompt never comes here)
-            return batched_assisted_decoding(
-                self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs
-            )
         if getattr(assistant, "build_candidate_generator", None) is not None:
             options = D3DGenerationOptions.resolve(generation_config, assistant)
             loop, budget = options.decoding_loop, options.tree_budget
+            # several sequences, or padding: D3D's batched loop (one padded prompt may also run transformers' loop)
+            if needs_batched_loop(input_ids, kwargs.get("attention_mask")) and (
+                loop != "transformers" or input_ids.shape[0] > 1
+            ):
+                return batched_assisted_decoding(
+                    self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs
+                )
             if loop != "transformers":
                 model_kwargs = {k: v for k, v in kwargs.items() if k not in _LOOP_ARGUMENTS}
                 blocker = own_loop_blocker(self, generation_config, bool(kwargs.get("synced_gpus")), model_kwargs)

@@ -439,3 +439,17 @@ def test_the_batch_plan_reads_the_curves_at_the_batch_rows(tiny, verify_ms, expe
     assert later and all(source == expected for source in later), stats.round_sources
     if expected == "drafter":
         assert max(stats.round_candidates) == 3 * len(prompts)
+
+
+def test_one_padded_prompt_in_transformers_loop_stays_there(tiny):
+    """`d3d_decoding_loop="transformers"` (the ablation) keeps running one padded prompt in transformers' loop; a
+    batch there is refused with what to change."""
+    target, own, _, prompts = tiny
+    ids, mask = left_pad(prompts[:2])
+    kw = dict(do_sample=False, max_new_tokens=8, pad_token_id=0)
+    out = target.generate(ids[1:], attention_mask=mask[1:], assistant_model=own, d3d_decoding_loop="transformers",
+                          **kw)
+    assert own.last_generation_stats.decoding_loop == "transformers"
+    assert torch.equal(out, target.generate(ids[1:], attention_mask=mask[1:], **kw))
+    with pytest.raises(ValueError, match="Drop `d3d_decoding_loop='transformers'`"):
+        target.generate(ids, attention_mask=mask, assistant_model=own, d3d_decoding_loop="transformers", **kw)
