@@ -131,10 +131,9 @@ def d3d_assisted_decoding(
     `scores` / `logits` of the committed tokens, as transformers does; the streamer receives each round's
     committed tokens; the stopping criteria are checked after every round.
 
-    Batching is a later extension, not a rewrite: rounds would carry one tree per sequence (padded to a common node
-    count, rows of finished sequences masked), the mask and positions become per-sequence (the `(batch, 1, q, kv)`
-    mask already has the batch axis), `keep_cache_path` gathers per sequence and left-pads to the longest accepted
-    path (or the cache keeps per-sequence lengths), and the drafter's `D3DCache` gets a batch axis.
+    A batch (or a padded prompt) runs `batched_decoding_d3d.batched_assisted_decoding` instead: chain rounds with
+    per-sequence cache slots, masks and positions. Trees in a batch would add one tree per sequence (padded to a
+    common node count) on the same slots; they are refused there for now.
 
     Args:
         target (`PreTrainedModel`): the target (decoder-only, with a `DynamicCache` for trees).
