@@ -25,9 +25,11 @@ sequence may send its lookup match instead where that is expected to give more),
 with its terms summed over the sequences: expected committed tokens of the batch per second, with the verify
 curve read at the batch's total rows `batch x R` and the draft curve at `batch x (pending + m)`; after the pass, one
 number `k` of drafts for every drafting sequence, by the same rule on the drafts' calibrated confidences. A fixed
-`d3d_num_drafts=k` drafts `k` masks for every sequence each round. Timings of batched forwards are not learned into
-the cost curves (they are curves of one sequence); acceptance is learned per sequence. Exploration is the warm-up
-only (a drafter round while the calibrator has seen none), not the periodic rounds of `DraftPolicy.decide`.
+`d3d_num_drafts=k` drafts `k` masks for every sequence each round. A drafter that reads the target's cache drafts
+nothing in the prefill round (its pass would compute the prompts' keys and values a second time). Timings of batched
+forwards are not learned into the cost curves (they are curves of one sequence); acceptance is learned per sequence.
+Exploration is the warm-up only (a drafter round while the calibrator has seen none), not the periodic rounds of
+`DraftPolicy.decide`.
 
 **What each sequence sees** is what transformers' batched target-only decoding gives its row: logits processors
 and stopping criteria run on the sequence's own row (the left-padded prompt, then its own tokens), and
@@ -425,12 +427,15 @@ class BatchedRounds:
         """`(source, masks or lookup cap, uses lookup per row)` of the round (module docstring, "The rounds")."""
         planner = self.generator.planner
         policy, batch = planner.policy, len(self.active)
-        if max(limits) == 0 or policy.mode == "off":
+        # the prefill round of a drafter that reads the target's cache drafts nothing: its pass would compute the
+        # prompts' keys and values a second time (the target's prefill computes them in this round's forward)
+        prefill = self.shared and self.slots.num_slots == 0
+        if max(limits) == 0 or policy.mode == "off" or (prefill and planner.mode != "adaptive"):
             return "target", 0, [False] * batch
         if planner.mode != "adaptive" or policy.mode != "adaptive":  # a fixed plan (or a user's fixed policy)
             fixed = planner.fixed_num_drafts if planner.mode != "adaptive" else policy.mode
             return "drafter", int(fixed), [False] * batch
-        options = self._rate_options(limits, lookups)
+        options = [o for o in self._rate_options(limits, lookups) if not (prefill and o[2] == "drafter")]
         drafting = [o for o in options if o[2] == "drafter"]
         if drafting and policy.calibrator.num_observations == 0:  # warm-up: see the drafter's acceptance once
             chosen = drafting[-1]
