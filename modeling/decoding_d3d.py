@@ -27,6 +27,7 @@ import torch
 from transformers.generation import GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .batched_decoding_d3d import batched_assisted_decoding, needs_batched_loop
 from .options_d3d import D3DGenerationOptions
 from .tree_d3d import (
     check_tree_cache,
@@ -130,10 +131,9 @@ def d3d_assisted_decoding(
     `scores` / `logits` of the committed tokens, as transformers does; the streamer receives each round's
     committed tokens; the stopping criteria are checked after every round.
 
-    Batching is a later extension, not a rewrite: rounds would carry one tree per sequence (padded to a common node
-    count, rows of finished sequences masked), the mask and positions become per-sequence (the `(batch, 1, q, kv)`
-    mask already has the batch axis), `keep_cache_path` gathers per sequence and left-pads to the longest accepted
-    path (or the cache keeps per-sequence lengths), and the drafter's `D3DCache` gets a batch axis.
+    A batch (or a padded prompt) runs `batched_decoding_d3d.batched_assisted_decoding` instead: chain rounds with
+    per-sequence cache slots, masks and positions. Trees in a batch would add one tree per sequence (padded to a
+    common node count) on the same slots; they are refused there for now.
 
     Args:
         target (`PreTrainedModel`): the target (decoder-only, with a `DynamicCache` for trees).
@@ -313,8 +313,9 @@ def d3d_assisted_decoding(
 
 def install_decoding_hook() -> None:
     """Wraps `GenerationMixin._assisted_decoding` so that a D3D assistant's call runs `d3d_assisted_decoding` (module
-    docstring). Idempotent; undo with `remove_decoding_hook()`. Skipped (D3D then decodes in transformers' loop,
-    chain verification only) when the method is missing or its parameters changed.
+    docstring), or `batched_decoding_d3d.batched_assisted_decoding` for a batch or a padded prompt. Idempotent; undo
+    with `remove_decoding_hook()`. Skipped (D3D then decodes in transformers' loop, chain verification only) when the
+    method is missing or its parameters changed.
     """
     current = getattr(GenerationMixin, "_assisted_decoding", None)
     if current is None or getattr(current, _HOOK_ATTRIBUTE, False):
@@ -328,6 +329,13 @@ def install_decoding_hook() -> None:
         if getattr(assistant, "build_candidate_generator", None) is not None:
             options = D3DGenerationOptions.resolve(generation_config, assistant)
             loop, budget = options.decoding_loop, options.tree_budget
+            # several sequences, or padding: D3D's batched loop (one padded prompt may also run transformers' loop)
+            if needs_batched_loop(input_ids, kwargs.get("attention_mask")) and (
+                loop != "transformers" or input_ids.shape[0] > 1
+            ):
+                return batched_assisted_decoding(
+                    self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs
+                )
             if loop != "transformers":
                 model_kwargs = {k: v for k, v in kwargs.items() if k not in _LOOP_ARGUMENTS}
                 blocker = own_loop_blocker(self, generation_config, bool(kwargs.get("synced_gpus")), model_kwargs)

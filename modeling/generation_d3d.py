@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .async_rounds_d3d import PackedSuccessorDrafting
+from .batched_decoding_d3d import check_batch_options
 from .hooks_d3d import check_prompt_and_drafter
 from .options_d3d import D3DGenerationOptions
 from .planner_d3d import DraftPasses, RoundPlanner, target_forward_context
@@ -94,7 +95,8 @@ class D3DCandidateGenerator(CandidateGenerator):
 
     Args:
         drafter (`D3DForDiffusionDrafting`): the drafter.
-        input_ids (`torch.LongTensor` of shape `(1, seq_len)`): the prompt.
+        input_ids (`torch.LongTensor` of shape `(batch_size, seq_len)`): the prompt (a batch: left-padded, for D3D's
+            batched loop, `batched_decoding_d3d`).
         generation_config (`GenerationConfig`): the target's generation config for this call.
         logits_processor (`LogitsProcessorList`): the target's logits processors (and warpers when sampling).
         target_tokenizer (`PreTrainedTokenizerBase`, *optional*): needed for `stop_strings`.
@@ -103,7 +105,9 @@ class D3DCandidateGenerator(CandidateGenerator):
         Other keyword arguments of transformers' candidate-generator factory are accepted and ignored.
 
     Raises:
-        ValueError: before any forward pass, for a batch size other than 1, an empty prompt, a prompt longer than
+        ValueError: before any forward pass, for a batch with a tree or `d3d_async=True` (`check_batch_options`;
+            a batch is decoded by `batched_decoding_d3d`, which uses this generator's pieces), an empty prompt, a
+            prompt longer than
             the target's or the drafter's `max_position_embeddings`, a drafter without a mask token, `stop_strings`
             without a tokenizer, or an option that `D3DGenerationOptions.resolve` refuses.
     """
@@ -118,16 +122,14 @@ class D3DCandidateGenerator(CandidateGenerator):
         target=None,
         **unused: Any,
     ) -> None:
-        if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"D3D speculative decoding runs one sequence at a time (transformers' assisted generation is batch "
-                f"size 1 only); got a batch of {input_ids.shape[0]}. Call `generate` once per prompt."
-            )
         check_prompt_and_drafter(drafter, input_ids.shape[1], target)
         self.drafter = drafter
         self.block_size = int(drafter.config.block_size)
         self.max_length = generation_config.max_length
         self.options = options = D3DGenerationOptions.resolve(generation_config, drafter)
+        self.batch_size = int(input_ids.shape[0])
+        self.batched = self.batch_size > 1  # the batched loop's rounds (`own_loop(..., batched=True)`)
+        check_batch_options(options, self.batch_size)
         self.stats = stats = D3DGenerationStats(options=options)
         drafter.last_generation_stats = stats
         self.proposer = DraftProposer(
@@ -142,6 +144,9 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.passes = DraftPasses(drafter)
         self.round_clock = RoundClock(stats.draft_seconds, stats.verify_seconds)
         stats.asynchronous = resolve_asynchronous(options, self.passes.device, stats.overrides)
+        if stats.asynchronous and self.batch_size > 1:  # `"auto"` on CUDA (`True` was refused for a batch)
+            stats.asynchronous = False
+            stats.overrides["d3d_async"] = "auto -> False: a batch drafts synchronously (batched_decoding_d3d)"
         self.tree = self.asynchronous_rounds = self.planner = self.successors = None
         if stats.asynchronous:
             fixed = options.num_drafts
@@ -202,13 +207,15 @@ class D3DCandidateGenerator(CandidateGenerator):
         )
 
     @contextlib.contextmanager
-    def own_loop(self, target, cache):
+    def own_loop(self, target, cache, batched: bool = False):
         """Entered by D3D's own decoding loop around its rounds: shares the target's `cache` with the draft passes
         when the drafter computes the same keys and values (`d3d_share_target_cache`; a `DynamicCache` of full
         layers), draws the call's Gumbel noise under drafter-invariant sampling (`d3d_sampling="invariant"` with
         `do_sample=True`: one draw from torch's default generator), runs the target's forwards in their context
-        (`planner_d3d.target_forward_context`) and yields the call's `TreeRounds` (`None` for chain rounds)."""
+        (`planner_d3d.target_forward_context`) and yields the call's `TreeRounds` (`None` for chain rounds).
+        `batched=True`: the batched loop (`batched_decoding_d3d`) drives the rounds, without fused drafting."""
         self.stats.decoding_loop = "d3d"
+        self.batched = batched
         if self.proposer.do_sample and self.options.sampling == "invariant":
             self.proposer.noise = GumbelNoise.from_default_generator(self.drafter.config.vocab_size)
             self.stats.overrides.pop("d3d_sampling", None)
@@ -232,7 +239,9 @@ class D3DCandidateGenerator(CandidateGenerator):
         option = self.options.fused_drafting
         if option is False:
             return
-        if self.stats.asynchronous:
+        if self.batched:  # `True` was refused for a batch (`check_batch_options`)
+            reason = "a batch drafts with one pass per round (batched_decoding_d3d)"
+        elif self.stats.asynchronous:
             reason = "asynchronous rounds draft in the packed pass"
         elif self.tree is not None:
             reason = "tree verification drafts with a pass per round"
@@ -265,11 +274,19 @@ class D3DCandidateGenerator(CandidateGenerator):
         Args:
             input_ids (`torch.LongTensor` of shape `(1, seq_len)`): the committed sequence.
 
+        Raises:
+            ValueError: for a batch (D3D's batched loop, `batched_decoding_d3d`, drafts a batch's rounds itself).
+
         Returns:
             `(candidate_input_ids, candidate_logits)`: `input_ids` followed by the drafts, shape `(1, seq_len +
             num_drafts)`, and the processed draft scores, `torch.FloatTensor` of shape `(1, num_drafts,
             vocab_size)` (`None` when nothing is drafted).
         """
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"`get_candidates` drafts for one sequence, got a batch of {input_ids.shape[0]}: a batch is decoded "
+                "by D3D's own loop (`target.generate(..., assistant_model=drafter)` with d3d_decoding_loop='d3d')."
+            )
         self.round_clock.start_draft()
         cur_len = input_ids.shape[1]
         limit = min(self.block_size - 1, self.max_length - cur_len - 1)

@@ -56,6 +56,9 @@ class D3DGenerationStats:
         successor_hits (`int`): verifications whose accepted path ended where a block was drafted.
         successor_hit_flags (`list[bool]`): per verification that drafted blocks or not, whether it was a hit.
         ready_rounds (`int`): rounds whose drafts were such a block (no draft pass).
+        batch_size (`int`): sequences decoded together (`batched_decoding_d3d`; 1 for one sequence). For a batch,
+            `rounds` counts the batch's target forwards, and `new_tokens`, `accepted_drafts`, `drafted_tokens`,
+            `acceptance_lengths` and `round_candidates` sum over its sequences: `tau` is the batch's tokens per forward.
     """
 
     options: D3DGenerationOptions = field(default_factory=D3DGenerationOptions)
@@ -87,6 +90,7 @@ class D3DGenerationStats:
     successor_hits: int = 0
     ready_rounds: int = 0
     successor_hit_flags: list[bool] = field(default_factory=list)
+    batch_size: int = 1
 
     def record_round_plan(self, source: str, num_candidates: int) -> None:
         """Records where a round's candidates came from and how many were sent."""

@@ -5,7 +5,7 @@ Greedy decoding: block sizes and depths, length limits, eos inside a drafted blo
 returned scores, state between calls; property-based (hypothesis, derandomised) losslessness with length-limit,
 streamer and drafter-cache invariants (synchronous and asynchronous drafting); targets that emit the mask or filler
 id; every draft rejected, every draft accepted, acceptance exactly at the budget; a bfloat16 drafter for a float32
-target. Refused before any decoding work: batches, an empty prompt, a prompt longer than the context, a drafter
+target. Refused before any decoding work: an empty prompt, a prompt longer than the context, a drafter
 without a mask token. The generate hook. Sampling keeps the target's distribution.
 """
 
@@ -15,7 +15,7 @@ from _tiny import FAMILIES, chi_square_p_value, random_prompt, tiny_target
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from torch import nn
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
 from d3d_hf import D3DCache, D3DForDiffusionDrafting, install_generation_hook, remove_generation_hook
@@ -230,11 +230,18 @@ def test_state_is_reset_between_calls():
     assert drafter.last_generation_stats is not first_stats
 
 
-def test_batch_larger_than_one_is_rejected_clearly():
+def test_a_batch_decodes_in_the_batched_loop_and_get_candidates_refuses_one():
+    """A batch runs D3D's batched loop (tests/test_batched.py); the one-sequence round `get_candidates` refuses a
+    batch with a message that says where batches go."""
     target, drafter = _pair()
     ids = torch.cat([random_prompt(), random_prompt(seed=1)])
-    with pytest.raises(ValueError, match="batch"):
-        _greedy(target, ids, drafter)
+    out = _greedy(target, ids, drafter)
+    assert torch.equal(out, _greedy(target, ids))
+    generator = drafter.build_candidate_generator(
+        target=target, input_ids=ids, generation_config=GenerationConfig(max_length=20), logits_processor=None
+    )
+    with pytest.raises(ValueError, match="drafts for one sequence"):
+        generator.get_candidates(ids)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -240,8 +240,12 @@ def test_shipped_drafter_fused_drafting_is_lossless_on_smollm2(smollm2):
 def test_fused_drafting_true_is_refused_for_a_call_only_transformers_loop_runs(shared_pair):
     target, drafter = shared_pair
     prompt = random_prompt(7, seed=0)
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter, max_new_tokens=5,
+                        d3d_fused_drafting=True, return_dict_in_generate=True, output_hidden_states=True)
+    # a padded prompt is decoded by the batched loop, which drafts with one pass per round
     padded = torch.ones_like(prompt)
     padded[0, 0] = 0
-    with pytest.raises(ValueError, match="attention_mask"):
+    with pytest.raises(ValueError, match="a padded prompt"):
         target.generate(prompt, attention_mask=padded, assistant_model=drafter, max_new_tokens=5,
                         d3d_fused_drafting=True)

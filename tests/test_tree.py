@@ -387,11 +387,16 @@ def test_calls_the_loop_cannot_take_go_to_transformers_or_are_refused():
     ids = random_prompt(7, seed=1)
     padded = torch.cat([torch.zeros((1, 2), dtype=torch.long), ids], 1)
     mask = torch.cat([torch.zeros((1, 2), dtype=torch.long), torch.ones_like(ids)], 1)
-    config = GenerationConfig(max_new_tokens=10, do_sample=False, d3d_num_drafts="full")
-    target.generate(padded, attention_mask=mask, assistant_model=drafter, generation_config=config)
+    config = GenerationConfig(max_new_tokens=10, do_sample=False, d3d_num_drafts="full",
+                              return_dict_in_generate=True, output_hidden_states=True)
+    target.generate(ids, assistant_model=drafter, generation_config=config)
     assert drafter.last_generation_stats.decoding_loop == "transformers"
-    tree = GenerationConfig(max_new_tokens=10, do_sample=False, d3d_num_drafts="full", d3d_tree_budget=4)
-    with pytest.raises(ValueError, match="attention_mask"):
+    tree = GenerationConfig(max_new_tokens=10, do_sample=False, d3d_num_drafts="full", d3d_tree_budget=4,
+                            return_dict_in_generate=True, output_hidden_states=True)
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        target.generate(ids, assistant_model=drafter, generation_config=tree)
+    # a padded prompt runs D3D's batched loop, which verifies chains only
+    with pytest.raises(ValueError, match="d3d_tree_budget=None"):
         target.generate(padded, attention_mask=mask, assistant_model=drafter, generation_config=tree)
     with pytest.raises(ValueError, match="own decoding loop"):
         target.generate(ids, assistant_model=drafter, generation_config=GenerationConfig(

@@ -1,6 +1,6 @@
 """Benchmark harness: runs decoding methods interleaved on the same prompts; metrics of docs/DESIGN.md section 6.
 
-Methods (greedy decoding, batch size 1), one entry each in the registry `METHODS`:
+Methods (greedy decoding), one entry each in the registry `METHODS`:
 
 - `target`: plain `target.generate` (the reference every other method is checked against).
 - `pld`: transformers' prompt-lookup decoding, `target.generate(..., prompt_lookup_num_tokens=N)`: drafts are the
@@ -15,6 +15,15 @@ Methods (greedy decoding, batch size 1), one entry each in the registry `METHODS
 
 For each prompt the methods run one after the other (interleaved), so slow drifts of the machine hit all methods
 alike. Every method runs on the same target object, so dtype and threads are the same.
+
+**Batches** (`batch_size > 1`, `d3d-hf bench --batch-size N`): the prompts are taken `N` at a time (consecutive),
+left-padded, and a method that decodes batches (`BenchMethod.batches`: `target`, transformers' batched greedy
+decoding; `d3d` and its synchronous variants, D3D's batched loop) decodes each batch in one `generate` call; the
+others (`pld`, `ar-assist`: transformers refuses an assistant or prompt lookup for a batch; `d3d-async`, `d3d-tree`:
+D3D decodes them one sequence at a time) run the batch's prompts one after the other, and the table marks them "one
+at a time". A run is then one batch: its tokens are all its sequences' generated tokens (each up to its eos), its
+seconds the wall time of the batch (tokens/s of the whole batch), its rounds the target forwards of the batch, and
+it matches the target when every sequence equals its `target` output.
 
 What is measured, and how honestly:
 
@@ -191,6 +200,8 @@ class BenchMethod:
         cost_model (`str`, *optional*): which speed-up formula of `d3d_hf.costmodel` predicts this method:
             `"sync"` (D3D drafter timings), `"async"` (D3D timings and the hit rate), `"rounds"` (the measured
             draft time per round), or `None` (no prediction).
+        batches (`bool`, defaults to `False`): whether one `generate` call decodes a left-padded batch of prompts
+            (`run_benchmark(batch_size > 1)`); otherwise a batch's prompts run one at a time.
     """
 
     name: str
@@ -200,6 +211,7 @@ class BenchMethod:
     requires: tuple[str, ...] = ()
     settings: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     cost_model: str | None = None
+    batches: bool = False
 
 
 def d3d_round_stats(stats) -> RoundStats:
@@ -285,7 +297,7 @@ def register_method(method: BenchMethod, overwrite: bool = False) -> BenchMethod
     return method
 
 
-register_method(BenchMethod("target", "target alone (greedy generate)", lambda r: {}))
+register_method(BenchMethod("target", "target alone (greedy generate)", lambda r: {}, batches=True))
 register_method(
     BenchMethod(
         "pld",
@@ -322,6 +334,7 @@ register_method(
         requires=("drafter",),
         settings=_d3d_settings,
         cost_model="sync",
+        batches=True,
     )
 )
 
@@ -421,6 +434,7 @@ def _register_d3d_variant(name: str, description: str, **options: Any) -> None:
             requires=("drafter",),
             settings=_d3d_settings,
             cost_model="sync",
+            batches=True,
         )
     )
 
@@ -470,6 +484,8 @@ class PromptRun:
         packed_rounds (`int`, *optional*): rounds that followed a packed pass (the hit rate's denominator).
         round_sources, round_candidates, successor_blocks, successor_masks, successor_hit_flags (`list`),
         ready_rounds (`int`): as in `RoundStats`.
+        sequences (`list[list[int]]`, *optional*): a batch run's generated ids per sequence (`output_ids` is then
+            their concatenation); `None` for one prompt.
     """
 
     prompt_id: str
@@ -491,6 +507,7 @@ class PromptRun:
     successor_masks: list[int] = field(default_factory=list)
     successor_hit_flags: list[bool] = field(default_factory=list)
     ready_rounds: int = 0
+    sequences: list[list[int]] | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -681,6 +698,7 @@ def run_benchmark(
     prompt_lookup_num_tokens: int = 10,
     max_matching_ngram_size: int = 2,
     resources: Mapping[str, Any] | None = None,
+    batch_size: int = 1,
 ) -> dict[str, Any]:
     """Runs `methods` interleaved on `prompts` (greedy) and returns per-prompt runs and per-method summaries.
 
@@ -699,14 +717,18 @@ def run_benchmark(
         prompt_lookup_num_tokens (`int`, defaults to 10), max_matching_ngram_size (`int`, defaults to 2): `pld`
             settings (transformers' `generate` arguments of the same names).
         resources (`Mapping`, *optional*): further resources for registered methods (merged over the above).
+        batch_size (`int`, defaults to 1): prompts per batch (module docstring, "Batches"); a run is then one batch.
 
     Returns:
-        `dict` with `runs` (method -> list of `PromptRun` as dicts), `summary` (method -> `summarize(...)`) and
-        `method_settings` (method -> its recorded settings).
+        `dict` with `runs` (method -> list of `PromptRun` as dicts), `summary` (method -> `summarize(...)`, plus
+        `batch_size` and `one_at_a_time` when `batch_size > 1`) and `method_settings` (method -> its recorded
+        settings).
 
     Raises:
-        ValueError: for an unknown method, no prompts, or a method without the resource it needs.
+        ValueError: for an unknown method, no prompts, a method without the resource it needs, or `batch_size < 1`.
     """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"`batch_size` must be an int >= 1, got {batch_size!r}.")
     res: dict[str, Any] = {
         "drafter": drafter,
         "assistant": assistant,
@@ -728,6 +750,30 @@ def run_benchmark(
             return _generate(target, input_ids, new_tokens, **kwargs[m])
 
     encoded = [encode_prompt(tokenizer, p).to(target.device) for p in prompts]
+    if batch_size > 1:
+        runs = _run_batches(
+            target,
+            tokenizer,
+            prompts,
+            encoded,
+            methods,
+            res,
+            kwargs,
+            recorder,
+            batch_size,
+            max_new_tokens,
+            warmup,
+            progress,
+            on_prompt,
+        )
+        summary = {m: summarize(runs[m], runs["target"]) for m in methods}
+        for m in methods:
+            summary[m].update(batch_size=batch_size, one_at_a_time=not METHODS[m].batches)
+        return {
+            "runs": {m: [asdict(r) for r in rs] for m, rs in runs.items()},
+            "summary": summary,
+            "method_settings": {m: METHODS[m].settings(res) if METHODS[m].settings else {} for m in methods},
+        }
     if warmup:
         for m in methods:
             call(m, encoded[0], min(8, max_new_tokens))
@@ -777,6 +823,144 @@ def run_benchmark(
         "summary": summary,
         "method_settings": method_settings,
     }
+
+
+def _left_pad(encoded: Sequence[torch.LongTensor], pad_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """`(input_ids, attention_mask)` of `(1, n)` prompts, left-padded to the longest."""
+    width = max(ids.shape[1] for ids in encoded)
+    input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long, device=encoded[0].device)
+    mask = torch.zeros_like(input_ids)
+    for i, ids in enumerate(encoded):
+        input_ids[i, width - ids.shape[1] :] = ids[0]
+        mask[i, width - ids.shape[1] :] = 1
+    return input_ids, mask
+
+
+def _generated(row: torch.Tensor, eos_ids: set[int]) -> list[int]:
+    """A row's generated ids up to and including its first eos (what follows is a batch's padding)."""
+    tokens = row.tolist()
+    ends = [i for i, token in enumerate(tokens) if token in eos_ids]
+    return tokens[: ends[0] + 1] if ends else tokens
+
+
+def _combine(stats: Sequence[RoundStats]) -> RoundStats:
+    """One `RoundStats` of several calls (a batch's prompts run one at a time)."""
+    hits = [s.hits for s in stats if s.hits is not None]
+    packed = [s.packed_rounds for s in stats if s.packed_rounds is not None]
+    return RoundStats(
+        rounds=sum(s.rounds for s in stats),
+        draft_seconds=sum(s.draft_seconds for s in stats),
+        verify_seconds=sum(s.verify_seconds for s in stats),
+        acceptance_lengths=[n for s in stats for n in s.acceptance_lengths],
+        drafted_tokens=sum(s.drafted_tokens for s in stats),
+        hits=sum(hits) if hits else None,
+        packed_rounds=sum(packed) if packed else None,
+        round_sources=[x for s in stats for x in s.round_sources],
+        round_candidates=[x for s in stats for x in s.round_candidates],
+        successor_blocks=[x for s in stats for x in s.successor_blocks],
+        successor_masks=[x for s in stats for x in s.successor_masks],
+        successor_hit_flags=[x for s in stats for x in s.successor_hit_flags],
+        ready_rounds=sum(s.ready_rounds for s in stats),
+    )
+
+
+def _run_batches(
+    target,
+    tokenizer,
+    prompts,
+    encoded,
+    methods,
+    res,
+    kwargs,
+    recorder,
+    batch_size,
+    max_new_tokens,
+    warmup,
+    progress,
+    on_prompt,
+) -> dict[str, list[PromptRun]]:
+    """`run_benchmark`'s loop over batches of `batch_size` prompts (module docstring, "Batches"): one `PromptRun` per
+    batch and method."""
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    if pad_id is None:
+        pad_id = target.generation_config.pad_token_id
+    eos = target.generation_config.eos_token_id
+    if pad_id is None:
+        pad_id = eos[0] if isinstance(eos, list) else eos
+    if pad_id is None:
+        raise ValueError("Batched benchmarks need a pad token: the tokenizer and the target define none.")
+    eos_ids = set() if eos is None else {int(e) for e in (eos if isinstance(eos, list) else [eos])}
+
+    def generate(m: str, input_ids, mask, settings) -> tuple[torch.LongTensor, list[RoundStats]]:
+        method = METHODS[m]
+        if method.read_stats is None:
+            return target.generate(input_ids, attention_mask=mask, **settings), []
+        with recorder.attach(target):
+            out = target.generate(input_ids, attention_mask=mask, **settings)
+        return out, [method.read_stats(res, recorder)]
+
+    def call(m: str, input_ids, mask, new_tokens: int) -> tuple[list[list[int]], list[RoundStats]]:
+        """Generated ids per sequence, and the round statistics of the call (one per prompt one at a time)."""
+        settings = {"max_new_tokens": new_tokens, "do_sample": False, "pad_token_id": pad_id, **kwargs[m]}
+        if METHODS[m].batches:
+            out, stats = generate(m, input_ids, mask, settings)
+            return [_generated(row, eos_ids) for row in out[:, input_ids.shape[1] :]], stats
+        sequences, stats = [], []
+        for row, row_mask in zip(input_ids, mask, strict=True):
+            ids = row[row_mask.bool()][None]
+            out, one = generate(m, ids, torch.ones_like(ids), settings)
+            sequences.append(_generated(out[0, ids.shape[1] :], eos_ids))
+            stats += one
+        return sequences, stats
+
+    batches = [list(range(i, min(i + batch_size, len(prompts)))) for i in range(0, len(prompts), batch_size)]
+    padded = [_left_pad([encoded[i] for i in batch], pad_id) for batch in batches]
+    if warmup:
+        for m in methods:
+            call(m, *padded[0], min(8, max_new_tokens))
+    runs: dict[str, list[PromptRun]] = {m: [] for m in methods}
+    for batch, (input_ids, mask) in tqdm(list(zip(batches, padded, strict=True)), desc="bench", disable=not progress):
+        reference = None
+        per_method = {}
+        for m in methods:
+            start = time.perf_counter()
+            sequences, stats = call(m, input_ids, mask, max_new_tokens)
+            seconds = time.perf_counter() - start
+            if m == "target":
+                reference = sequences
+            new_tokens = sum(len(s) for s in sequences)
+            if stats:
+                rounds = _combine(stats)
+            else:  # plain decoding: one forward per token of the longest sequence (a batch) or of each one
+                rounds = RoundStats(rounds=max(map(len, sequences)) if METHODS[m].batches else new_tokens)
+            run = PromptRun(
+                prompt_id="+".join(prompts[i].id for i in batch),
+                new_tokens=new_tokens,
+                seconds=seconds,
+                rounds=rounds.rounds,
+                tau=new_tokens / rounds.rounds if rounds.rounds else 0.0,
+                matches_target=sequences == reference,
+                draft_seconds=rounds.draft_seconds,
+                verify_seconds=rounds.verify_seconds,
+                output_ids=[t for s in sequences for t in s],
+                acceptance_lengths=list(rounds.acceptance_lengths),
+                drafted_tokens=rounds.drafted_tokens,
+                hits=rounds.hits,
+                packed_rounds=rounds.packed_rounds,
+                round_sources=list(rounds.round_sources),
+                round_candidates=list(rounds.round_candidates),
+                successor_blocks=list(rounds.successor_blocks),
+                successor_masks=list(rounds.successor_masks),
+                successor_hit_flags=list(rounds.successor_hit_flags),
+                ready_rounds=rounds.ready_rounds,
+                sequences=sequences,
+            )
+            runs[m].append(run)
+            per_method[m] = run
+        if on_prompt is not None:
+            for i in batch:
+                on_prompt(prompts[i], per_method)
+    return runs
 
 
 def merge_results(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -851,8 +1035,11 @@ def format_table(summary: dict[str, dict[str, Any]]) -> str:
         columns += 1
     lines = [header, "|" + "---|" * columns]
     for method, s in summary.items():
+        name = f"{method} (batch of {s['batch_size']})" if s.get("batch_size", 1) > 1 else method
+        if s.get("batch_size", 1) > 1 and s.get("one_at_a_time"):
+            name = f"{method} (one at a time)"
         row = (
-            f"| {method} | {s['tokens_per_second']:.1f} | {s['speedup']:.2f}x | {s['median_speedup']:.2f}x | "
+            f"| {name} | {s['tokens_per_second']:.1f} | {s['speedup']:.2f}x | {s['median_speedup']:.2f}x | "
             f"{s['tau']:.2f} | {100 * s['lossless_match']:.0f}% | {s['draft_ms']:.1f} | {s['verify_ms']:.1f} |"
         )
         if show_hits:

@@ -156,6 +156,13 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts (after --offset)")
     p.add_argument("--offset", type=int, default=0, help="skip the first N prompts (to run a long set in shards)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    p.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=1,
+        help="prompts per generate call, left-padded (target and d3d decode a batch at once; pld, ar-assist, "
+        "d3d-async and d3d-tree run its prompts one at a time); tokens/s is then of the whole batch",
+    )
     p.add_argument("--methods", default="target,d3d", help="comma-separated: target,pld,ar-assist,d3d,d3d-async")
     p.add_argument("--block-size", type=_positive_int, default=None, help="override the drafter's block size")
     add_generation_option_arguments(p)
@@ -473,6 +480,8 @@ def _bench(args) -> int:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     if args.offset < 0:
         raise ValueError(f"--offset must be >= 0, got {args.offset}")
+    if args.batch_size > 1 and args.cost_model:
+        raise ValueError("--cost-model predicts one sequence at a time: drop --cost-model or --batch-size")
     prompts = load_prompts(args.prompts)[args.offset :]  # checked before the (slow) model loads
     if not prompts:
         raise ValueError(f"--offset {args.offset} skips every prompt of {args.prompts}")
@@ -488,6 +497,10 @@ def _bench(args) -> int:
             return
         print(f"\n=== {prompt.id} ===")
         ref = runs["target"]
+        if ref.sequences is not None:  # a batch: the whole batch's runs, once per prompt of it
+            index = ref.prompt_id.split("+").index(prompt.id)
+            print(tokenizer.decode(ref.sequences[index], skip_special_tokens=True))
+            return
         print(tokenizer.decode(ref.output_ids, skip_special_tokens=True))
         for method, run in runs.items():
             print(
@@ -511,6 +524,7 @@ def _bench(args) -> int:
             "assistant_name": args.assistant,
             **given_generation_options(args),
         },
+        batch_size=args.batch_size,
     )
     result["settings"] = {
         "target": target_name,
@@ -525,6 +539,7 @@ def _bench(args) -> int:
         "offset": args.offset,
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
+        "batch_size": args.batch_size,
         "prompt_template": "tokenizer chat template, one user turn, add_generation_prompt=True",
         "decoding": "greedy",
         "command": "d3d-hf " + " ".join(sys.argv[1:]),

@@ -1,0 +1,795 @@
+"""Batched D3D decoding: several sequences in D3D's own loop, one draft pass and one target forward per round.
+
+Part of the self-contained remote-code bundle: imports only torch, the public transformers API (plus
+`transformers.generation.utils._speculative_sampling` for `d3d_sampling="speculative"`) and its siblings.
+
+transformers' assisted generation decodes one sequence at a time. `target.generate(input_ids,
+attention_mask=..., assistant_model=drafter)` with a left-padded batch (or one padded prompt) is sent here by the
+wrapper of `_assisted_decoding` (`decoding_d3d.install_decoding_hook`); a batch of one unpadded prompt never is.
+
+**Ragged acceptance** (our design). Every sequence keeps its own accepted length, but the target's `DynamicCache`
+keeps one batch axis whose rounds append the same number of slots `R` to every sequence (the longest row count
+of the round): sequence `a` places its rows right-aligned (`R - r_a` pad rows first, then its pending committed
+tokens, then its drafts). Which slots hold a sequence's committed tokens is `RaggedSlots.valid`; rejected drafts
+and pad rows stay in the tensors but no query ever attends to them again, and when they pile up the cache is
+compacted (`RaggedSlots.compaction_index`). Each query row attends to the valid slots of its own sequence and,
+causally, to that sequence's rows of the round; a pad row attends only to itself (so no row of the softmax is
+empty). Position ids are per sequence: a token's index in its own, unpadded sequence, as if it ran alone. A drafter
+on the target's own layers reads the same cache with the same validity (`DraftPasses.pass_cache`); a drafter with
+its own `D3DCache` gets its own `RaggedSlots`. A finished sequence is removed from both caches' batch axis, so it
+stops costing rows.
+
+**The rounds** (`BatchedRounds.plan`): the drafter's cost-aware policy rates, for the whole batch, a plain target
+step, a prompt-lookup round (each sequence its own match) and a draft pass of `m` masks for every sequence (each
+sequence may send its lookup match instead where that is expected to give more), by the same rule as one sequence
+with its terms summed over the sequences: expected committed tokens of the batch per second, with the verify
+curve read at the batch's total rows `batch x R` and the draft curve at `batch x (pending + m)`; after the pass, one
+number `k` of drafts for every drafting sequence, by the same rule on the drafts' calibrated confidences. A fixed
+`d3d_num_drafts=k` drafts `k` masks for every sequence each round. A drafter that reads the target's cache drafts
+nothing in the prefill round (its pass would compute the prompts' keys and values a second time). Timings of batched
+forwards are not learned into the cost curves (they are curves of one sequence); acceptance is learned per sequence.
+Exploration is the warm-up only (a drafter round while the calibrator has seen none), not the periodic rounds of
+`DraftPolicy.decide`.
+
+**What each sequence sees** is what transformers' batched target-only decoding gives its row: logits processors
+and stopping criteria run on the sequence's own row (the left-padded prompt, then its own tokens), and
+`max_length` counts the padded prompt, so `max_new_tokens` is per sequence. Greedy outputs equal target-only
+decoding of the batch and of each prompt alone (float32).
+
+**Seeds** (`do_sample=True`, `d3d_sampling="invariant"`): the call seed is one draw from torch's default generator
+as for one sequence; sequence `i` of the batch uses Gumbel noise keyed by `(seed_i, t)` with `t` the token's index in
+its own unpadded sequence, `seed_0` the call seed and `seed_i` (i >= 1) a SplitMix64 mix of the call seed and `i`.
+So a sequence's text depends only on the torch seed, its index in the batch, its prompt and the target (never on
+the plan, the other prompts or the padding), and the first prompt of a batch samples exactly what it samples alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+)
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .drafting_d3d import D3DCache
+from .estimates_d3d import _MIN_SECONDS, expected_tokens
+from .fast_paths_d3d import GQA_SDPA
+from .options_d3d import D3DGenerationOptions
+from .sampling_d3d import GumbelNoise, _mix
+
+try:  # the chain rule of transformers' own loop, for `d3d_sampling="speculative"`
+    from transformers.generation.utils import _speculative_sampling
+except ImportError:  # pragma: no cover - depends on the installed transformers
+    _speculative_sampling = None
+
+#: model keyword arguments the batched loop honours (anything else: the call is refused with its name)
+_KNOWN_MODEL_KWARGS = frozenset(
+    {"cache", "past_key_values", "attention_mask", "position_ids", "use_cache", "logits_to_keep", "inputs_tensor"}
+)
+#: rates within this fraction of the best count as ties, which go to the cheaper plan (as `DraftPolicy`)
+_TIE_TOLERANCE = 0.02
+
+
+def needs_batched_loop(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """Whether a D3D call decodes in the batched loop: more than one sequence, or a padded `attention_mask`."""
+    return input_ids.shape[0] > 1 or (attention_mask is not None and not bool(attention_mask.bool().all()))
+
+
+def check_batch_options(options: D3DGenerationOptions, batch_size: int, padded: bool = False) -> None:
+    """Refuses, before any forward pass, the options that the batched loop cannot run.
+
+    Args:
+        options (`D3DGenerationOptions`): the call's options.
+        batch_size (`int`): sequences in the call.
+        padded (`bool`, defaults to `False`): whether the prompts are padded (the batched loop runs them even for
+            one sequence).
+
+    Raises:
+        ValueError: for a batch (or padded prompts) with a tree (`d3d_tree_budget`), `d3d_async=True`,
+            `d3d_fused_drafting=True` or `d3d_decoding_loop="transformers"`, naming what to change.
+    """
+    if batch_size <= 1 and not padded:
+        return
+    what = f"a batch of {batch_size} prompts" if batch_size > 1 else "a padded prompt"
+    if options.tree_budget is not None:
+        raise ValueError(
+            f"Tree verification (`d3d_tree_budget={options.tree_budget!r}`) decodes one sequence at a time, and this "
+            f"call has {what}. Set `d3d_tree_budget=None` (batched chain rounds), or call `generate` once per "
+            "unpadded prompt to verify trees."
+        )
+    if options.asynchronous is True:
+        raise ValueError(
+            f"Asynchronous drafting (`d3d_async=True`) decodes one sequence at a time, and this call has {what}. "
+            "Drop `d3d_async=True` (batched rounds draft synchronously), or call `generate` once per unpadded prompt."
+        )
+    if options.fused_drafting is True:
+        raise ValueError(
+            f"Fused successor drafting (`d3d_fused_drafting=True`) decodes one sequence at a time, and this call has "
+            f"{what}. Drop the option (a batch drafts with one pass per round), or call `generate` once per prompt."
+        )
+    if options.decoding_loop == "transformers":
+        raise ValueError(
+            f"transformers' assisted-generation loop decodes one sequence at a time, and this call has {what}. Drop "
+            "`d3d_decoding_loop='transformers'` (D3D's own loop decodes batches), or call `generate` once per prompt."
+        )
+
+
+def _refuse_call(target, generation_config, synced_gpus: bool, streamer, model_kwargs: dict[str, Any]) -> None:
+    """Raises a `ValueError` for what the batched loop does not run (before any forward pass)."""
+    reason = None
+    if target.config.is_encoder_decoder:
+        reason = "the target is an encoder-decoder model"
+    elif synced_gpus:
+        reason = "`synced_gpus=True` was passed"
+    elif streamer is not None:
+        reason = "a streamer was passed (transformers' streamers take one sequence)"
+    elif generation_config.return_dict_in_generate and (
+        generation_config.output_attentions or generation_config.output_hidden_states
+    ):
+        reason = "`output_attentions` / `output_hidden_states` were asked for"
+    elif getattr(generation_config, "assistant_ensemble_weight", None) is not None:
+        reason = "`assistant_ensemble_weight` was set"
+    else:
+        extra = sorted(k for k, v in model_kwargs.items() if k not in _KNOWN_MODEL_KWARGS and v is not None)
+        if extra:
+            reason = f"model keyword arguments {extra} were passed"
+    if reason is not None:
+        raise ValueError(
+            f"Batched D3D decoding (several prompts, or a padded prompt) cannot take this call: {reason}. Drop it, "
+            "or call `generate` once per unpadded prompt."
+        )
+
+
+class RaggedSlots:
+    """Which slots of a cache with a batch axis hold each sequence's committed tokens.
+
+    Attributes:
+        valid (`torch.BoolTensor` of shape `(batch_size, num_slots)`): `True` where the slot holds a committed token of
+            that row's sequence.
+        lengths (`list[int]`): committed tokens cached per row, which is also the position of the row's next token.
+    """
+
+    def __init__(self, batch_size: int, device: torch.device) -> None:
+        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
+        self.lengths = [0] * batch_size
+
+    @property
+    def num_slots(self) -> int:
+        return self.valid.shape[1]
+
+    def inputs(
+        self, counts: list[int], rows: int, tail: int = 0
+    ) -> tuple[torch.BoolTensor, torch.LongTensor, torch.BoolTensor]:
+        """The attention of one forward of `rows` new rows per sequence, sequence `a`'s `counts[a]` real rows
+        right-aligned (its first `rows - counts[a]` rows are padding).
+
+        A real row attends to the sequence's valid slots and causally to its real rows; the last `tail` rows of
+        every sequence (a draft pass's masks) attend to all its real rows; a pad row attends to itself only.
+
+        Returns:
+            `(allowed, position_ids, real)`: `torch.BoolTensor` of shape `(batch_size, 1, rows, num_slots + rows)`
+            (`True` = may attend), `torch.LongTensor` of shape `(batch_size, rows)` (real row `j` of sequence `a` is at
+            `lengths[a] + j`; pad rows at 0) and the real rows, `torch.BoolTensor` of shape `(batch_size, rows)`.
+        """
+        device = self.valid.device
+        index = torch.arange(rows, device=device)
+        start = rows - torch.tensor(counts, device=device)
+        real = index[None, :] >= start[:, None]
+        causal = index[None, :] <= index[:, None]
+        causal = causal | (index[:, None] >= rows - tail)
+        block = real[:, :, None] & real[:, None, :] & causal[None]
+        block |= torch.eye(rows, dtype=torch.bool, device=device)[None]
+        cached = self.valid[:, None, :] & real[:, :, None]
+        allowed = torch.cat([cached, block], dim=-1)[:, None]
+        lengths = torch.tensor(self.lengths, device=device)
+        positions = torch.where(real, lengths[:, None] + index[None, :] - start[:, None], 0)
+        return allowed, positions, real
+
+    def append(self, counts: list[int], rows: int, kept: list[int]) -> None:
+        """Records a forward that appended `rows` slots per sequence (real rows right-aligned as in `inputs`), of which
+        sequence `a` keeps the first `kept[a]` real ones."""
+        device = self.valid.device
+        index = torch.arange(rows, device=device)
+        start = rows - torch.tensor(counts, device=device)
+        stop = start + torch.tensor(kept, device=device)
+        new = (index[None, :] >= start[:, None]) & (index[None, :] < stop[:, None])
+        self.valid = torch.cat([self.valid, new], dim=1)
+        self.lengths = [n + k for n, k in zip(self.lengths, kept, strict=True)]
+
+    def select(self, rows: torch.LongTensor) -> None:
+        """Keeps the batch rows `rows` (finished sequences leave)."""
+        self.valid = self.valid.index_select(0, rows)
+        self.lengths = [self.lengths[int(r)] for r in rows.tolist()]
+
+    def compaction_index(self, min_waste: int = 16) -> torch.LongTensor | None:
+        """When at least `max(min_waste, num_slots / 4)` slots of every row are holes, the slots to keep:
+        `torch.LongTensor` of shape `(batch_size, max(lengths))`, each row's valid slots first (in order), then
+        its first slot repeated as filler; the validity becomes left-aligned. `None` when not worth it."""
+        longest = max(self.lengths, default=0)
+        if self.num_slots - longest < max(min_waste, self.num_slots // 4):
+            return None
+        order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :longest]
+        keep = (
+            torch.arange(longest, device=self.valid.device)[None, :]
+            < torch.tensor(self.lengths, device=self.valid.device)[:, None]
+        )
+        self.valid = keep
+        return torch.where(keep, order, 0)
+
+
+def _map_cache(cache, fn) -> None:
+    """Replaces every key and value tensor `[B, H_kv, S, D]` of `cache` (a `DynamicCache` or a `D3DCache`) by
+    `fn(tensor)`."""
+    if isinstance(cache, D3DCache):
+        cache.key_cache = [fn(t) for t in cache.key_cache]
+        cache.value_cache = [fn(t) for t in cache.value_cache]
+        return
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
+            layer.keys, layer.values = fn(layer.keys), fn(layer.values)
+
+
+def _gather_slots(index: torch.LongTensor):
+    def gather(tensor: torch.Tensor) -> torch.Tensor:
+        b, h, _, d = tensor.shape
+        return tensor.gather(2, index[:, None, :, None].expand(b, h, index.shape[1], d))
+
+    return gather
+
+
+def _check_cache(cache) -> None:
+    layers = getattr(cache, "layers", None)
+    if layers is None or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
+        kinds = sorted({type(layer).__name__ for layer in layers or []}) or [type(cache).__name__]
+        raise ValueError(
+            f"Batched D3D decoding keeps each sequence's slots in a DynamicCache of full-attention layers; this "
+            f"target's cache has {kinds}. Call `generate` once per unpadded prompt with this target."
+        )
+    if cache.get_seq_length() > 0:
+        raise ValueError(
+            "Batched D3D decoding starts from an empty cache, but `past_key_values` already holds "
+            f"{cache.get_seq_length()} positions. Pass no cache, or call `generate` once per unpadded prompt."
+        )
+
+
+def sequence_processors(logits_processor, index: int) -> LogitsProcessorList:
+    """The call's logits processors as sequence `index` of the batch sees them, called on its row alone (batch 1):
+    transformers' processors with per-sequence state get sequence `index`'s (`RepetitionPenaltyLogitsProcessor`'s
+    `prompt_ignore_length`, the row's padding; `PrefixConstrainedLogitsProcessor`'s function, called with
+    `batch_id=index`); the others are shared as they are."""
+    rows = LogitsProcessorList()
+    for processor in logits_processor or []:
+        if isinstance(processor, RepetitionPenaltyLogitsProcessor) and isinstance(
+            processor.prompt_ignore_length, torch.Tensor
+        ):
+            processor = copy.copy(processor)
+            processor.prompt_ignore_length = processor.prompt_ignore_length[index : index + 1]
+        elif isinstance(processor, PrefixConstrainedLogitsProcessor):
+            function = processor._prefix_allowed_tokens_fn
+            processor = copy.copy(processor)
+            processor._prefix_allowed_tokens_fn = lambda batch_id, sent, f=function, i=index: f(i, sent)
+        rows.append(processor)
+    return rows
+
+
+class _ShiftedNoise:
+    """One sequence's Gumbel noise, read at positions of its padded row (`position - offset` is the token's index
+    in the unpadded sequence)."""
+
+    def __init__(self, noise: GumbelNoise, offset: int) -> None:
+        self.noise, self.offset = noise, offset
+
+    def choose(self, scores: torch.Tensor, positions) -> torch.LongTensor:
+        return self.noise.choose(scores, [int(p) - self.offset for p in positions])
+
+    def forget_before(self, position: int) -> None:
+        self.noise.forget_before(position - self.offset)
+
+
+def sequence_noise(call_noise: GumbelNoise, index: int) -> GumbelNoise:
+    """The noise of sequence `index` of a batch: the call's own for sequence 0, else keyed by a SplitMix64 mix of the
+    call seed and `index` (module docstring, "Seeds")."""
+    if index == 0:
+        return call_noise
+    return GumbelNoise(_mix(call_noise.seed, (1 << 62) + index), call_noise.vocab_size)
+
+
+class _Plan:
+    """One sequence's candidates for a round: `source` (`"target"`, `"drafter"`, `"lookup"`), the draft tokens
+    (`(1, 1)` each) with the scores they were chosen from, the drafter's confidences, the lookup n-gram size."""
+
+    def __init__(self, source="target", drafts=None, scores=None, confidences=None, ngram=None) -> None:
+        self.source, self.drafts, self.scores = source, drafts or [], scores or []
+        self.confidences, self.ngram = confidences, ngram
+        self.probabilities: list[float] = []  # a lookup plan's expected acceptance per draft
+
+
+class BatchedRounds:
+    """The state and rounds of one batched call (`batched_assisted_decoding`).
+
+    Args:
+        generator (`D3DCandidateGenerator`): the call's generator (options, stats, proposer, planner, draft passes),
+            built for the batch.
+        target (`PreTrainedModel`): the target; `cache` its `DynamicCache` (empty), passed to its forward as
+            `cache_key` (`"cache"` or `"past_key_values"`, as transformers named it for this call).
+        prompts (`torch.LongTensor` of shape `(batch_size, seq_len)`): the left-padded prompts.
+        prompt_lengths (`list[int]`): real tokens per prompt (>= 1).
+    """
+
+    def __init__(self, generator, target, cache, cache_key: str, prompts: torch.LongTensor, prompt_lengths: list[int]):
+        self.generator, self.target, self.cache, self.cache_key = generator, target, cache, cache_key
+        self.keeps_logits = target._supports_logits_to_keep() if hasattr(target, "_supports_logits_to_keep") else False
+        self.warm_up = False  # this round is the adaptive engine's first look at the drafter (sends every draft)
+        self.draft_seconds = None
+        self.drafter = generator.drafter
+        self.block_size = generator.block_size
+        self.max_length = generator.max_length
+        batch, width = prompts.shape
+        self.rows = [prompts[a : a + 1] for a in range(batch)]  # each sequence's padded row, grown as it decodes
+        self.offsets = [width - n for n in prompt_lengths]
+        self.active = list(range(batch))  # the sequences still decoding, in cache batch order
+        self.slots = RaggedSlots(batch, target.device)
+        self.shared = generator.passes.target_cache is not None
+        self.draft_slots = None if self.shared else RaggedSlots(batch, generator.passes.device)
+        call_noise = generator.proposer.noise
+        self.noise = [
+            None if call_noise is None else _ShiftedNoise(sequence_noise(call_noise, a), self.offsets[a])
+            for a in range(batch)
+        ]
+        self.processors = [sequence_processors(generator.proposer.logits_processor, a) for a in range(batch)]
+        impl = getattr(target.config, "_attn_implementation", None)
+        self.bool_mask = impl in ("sdpa", GQA_SDPA)
+        self.dtype = next(target.parameters()).dtype
+
+    # -- planning ---------------------------------------------------------------------------------------------------
+
+    def own_tokens(self, a: int) -> torch.LongTensor:
+        """Sequence `a` without its padding, `(1, n)`."""
+        return self.rows[a][:, self.offsets[a] :]
+
+    def limit(self, a: int) -> int:
+        return max(0, min(self.block_size - 1, self.max_length - self.rows[a].shape[1] - 1))
+
+    def pending(self, row: int) -> int:
+        """Committed tokens of cache row `row` not in the target's cache."""
+        a = self.active[row]
+        return self.rows[a].shape[1] - self.offsets[a] - self.slots.lengths[row]
+
+    def draft_pending(self, row: int) -> int:
+        if self.shared:
+            return self.pending(row)
+        a = self.active[row]
+        return self.rows[a].shape[1] - self.offsets[a] - self.draft_slots.lengths[row]
+
+    def plan(self) -> tuple[list[_Plan], str, int]:
+        """The round's candidates for every active sequence, the round's source and its masks."""
+        planner, proposer = self.generator.planner, self.generator.proposer
+        limits = [self.limit(a) for a in self.active]
+        lookups = []
+        for a, limit in zip(self.active, limits, strict=True):
+            tokens, ngram = (
+                (None, None) if limit == 0 else planner.lookup(self.own_tokens(a), limit, proposer.eos_token_ids)
+            )
+            lookups.append((tokens[0].tolist() if tokens is not None and tokens.shape[1] else [], ngram))
+        source, masks, lookup_for = self._decide(limits, lookups)
+        plans = [_Plan() for _ in self.active]
+        if source == "lookup" or source == "drafter":
+            for row, a in enumerate(self.active):
+                tokens, ngram = lookups[row]
+                count = min(len(tokens), limits[row], masks)  # `masks`: the lookup cap of a lookup round
+                if lookup_for[row] and count > 0:
+                    drafts, scores = proposer.lookup_drafts(self.rows[a], tokens[:count])
+                    plans[row] = _Plan("lookup", drafts, scores, ngram=ngram)
+                    plans[row].probabilities = planner.policy.lookup.probabilities(len(drafts), ngram or None)
+        if source == "drafter":
+            self._draft(plans, limits, masks)
+        return plans, source, masks
+
+    def _rate_options(self, limits, lookups) -> list[tuple[float, float, str, int, list[bool]]]:
+        """`(rate, seconds, source, count, uses lookup per row)` of every plan of the adaptive engine."""
+        policy = self.generator.planner.policy
+        verify, draft = policy.verify_curve, policy.draft_curve
+        batch = len(self.active)
+        pending = [self.pending(r) for r in range(batch)]
+        q = [policy.lookup.probabilities(len(t), n or None) if t else [] for t, n in lookups]
+        step = max(verify(batch * max(pending)), _MIN_SECONDS)
+        options = [(batch / step, step, "target", 0, [False] * batch)]
+        longest = max((min(len(t), lim) for (t, _), lim in zip(lookups, limits, strict=True)), default=0)
+        for k in range(1, longest + 1):
+            counts = [min(len(t), lim, k) for (t, _), lim in zip(lookups, limits, strict=True)]
+            tokens = sum(expected_tokens(q[r], counts[r]) for r in range(batch))
+            seconds = max(verify(batch * max(p + c for p, c in zip(pending, counts, strict=True))), _MIN_SECONDS)
+            options.append((tokens / seconds, seconds, "lookup", k, [c > 0 for c in counts]))
+        most = max(limits)
+        if draft is not None and most >= 1:
+            profile = policy.calibrator.position_profile(most)
+            draft_pending = max(self.draft_pending(r) for r in range(batch))
+            for m in range(1, most + 1):
+                tokens, rows, use = 0.0, 0, []
+                for r in range(batch):
+                    count = min(m, limits[r])
+                    by_drafter = expected_tokens(profile, count)
+                    by_lookup = expected_tokens(q[r], min(count, len(lookups[r][0])))
+                    use.append(by_lookup > by_drafter)
+                    tokens += max(by_drafter, by_lookup)
+                    rows = max(rows, pending[r] + count)
+                seconds = max(draft(batch * (draft_pending + m)) + verify(batch * rows), _MIN_SECONDS)
+                options.append((tokens / seconds, seconds, "drafter", m, use))
+        return options
+
+    def _decide(self, limits, lookups) -> tuple[str, int, list[bool]]:
+        """`(source, masks or lookup cap, uses lookup per row)` of the round (module docstring, "The rounds")."""
+        planner = self.generator.planner
+        policy, batch = planner.policy, len(self.active)
+        # the prefill round of a drafter that reads the target's cache drafts nothing: its pass would compute the
+        # prompts' keys and values a second time (the target's prefill computes them in this round's forward)
+        prefill = self.shared and self.slots.num_slots == 0
+        if max(limits) == 0 or policy.mode == "off" or (prefill and planner.mode != "adaptive"):
+            return "target", 0, [False] * batch
+        if planner.mode != "adaptive" or policy.mode != "adaptive":  # a fixed plan (or a user's fixed policy)
+            fixed = planner.fixed_num_drafts if planner.mode != "adaptive" else policy.mode
+            return "drafter", int(fixed), [False] * batch
+        options = [o for o in self._rate_options(limits, lookups) if not (prefill and o[2] == "drafter")]
+        drafting = [o for o in options if o[2] == "drafter"]
+        if drafting and policy.calibrator.num_observations == 0:  # warm-up: see the drafter's acceptance once
+            chosen = drafting[-1]
+        else:
+            best = max(o[0] for o in options)
+            chosen = min((o for o in options if o[0] >= best * (1 - _TIE_TOLERANCE)), key=lambda o: (o[1], -o[0]))
+        self.warm_up = bool(drafting) and policy.calibrator.num_observations == 0
+        return chosen[2], chosen[3], chosen[4]
+
+    def _draft(self, plans: list[_Plan], limits: list[int], masks: int) -> None:
+        """One draft pass of `masks` masks for every active sequence; the sequences without a lookup plan take its
+        drafts (the adaptive engine then sends a common number `k` of them: `_choose`)."""
+        passes, proposer = self.generator.passes, self.generator.proposer
+        batch = len(self.active)
+        pending = [self.draft_pending(r) for r in range(batch)]
+        width = max(pending)
+        cache = passes.pass_cache()
+        slots = self.slots if self.shared else self.draft_slots
+        device = passes.device
+        ids = torch.zeros(batch, width + masks, dtype=torch.long, device=device)
+        for r, a in enumerate(self.active):
+            row = self.rows[a]
+            ids[r, width - pending[r] : width] = row[0, row.shape[1] - pending[r] :].to(device)
+        masked = torch.zeros_like(ids, dtype=torch.bool)
+        masked[:, width:] = True
+        allowed, positions, _ = slots.inputs([p + masks for p in pending], width + masks, tail=masks)
+        start = time.perf_counter()
+        with torch.no_grad():
+            logits = self.drafter(
+                input_ids=ids,
+                masked_positions=masked,
+                attention_mask=allowed.to(device),
+                position_ids=positions.to(device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=masks + 1,
+            ).logits.float()
+        seconds = time.perf_counter() - start
+        self.draft_seconds = seconds
+        if not self.shared:
+            cache.crop(slots.num_slots + width)
+            slots.append(pending, width, pending)
+        for r, a in enumerate(self.active):
+            if plans[r].source == "lookup" or limits[r] == 0:
+                continue
+            proposer.noise, proposer.logits_processor = self.noise[a], self.processors[a]
+            drafts, scores = proposer.choose(self.rows[a], logits[r, : min(masks, limits[r])])
+            confidences = proposer.confidences(drafts, scores) if drafts else []
+            plans[r] = _Plan("drafter", drafts, scores, confidences)
+        if self.generator.planner.mode == "adaptive" and not self.warm_up:
+            self._choose(plans, seconds)
+
+    def _choose(self, plans: list[_Plan], draft_seconds: float) -> None:
+        """After the pass: the common number `k` of drafts every drafter plan sends, `argmax_k` of the batch's
+        expected tokens per second (lookup plans keep theirs)."""
+        policy = self.generator.planner.policy
+        batch = len(self.active)
+        pending = [self.pending(r) for r in range(batch)]
+        probabilities = [
+            policy.calibrator.probabilities(p.confidences) if p.source == "drafter" else p.probabilities for p in plans
+        ]
+        most = max((len(p.drafts) for p in plans if p.source == "drafter"), default=0)
+        options = []
+        for k in range(most + 1):
+            tokens, rows = 0.0, 0
+            for r, p in enumerate(plans):
+                count = min(k, len(p.drafts)) if p.source == "drafter" else len(p.drafts)  # lookup: sent as is
+                tokens += expected_tokens(probabilities[r], count)
+                rows = max(rows, pending[r] + count)
+            seconds = max(draft_seconds + policy.verify_curve(batch * rows), _MIN_SECONDS)
+            options.append((tokens / seconds, seconds, k))
+        best = max(o[0] for o in options)
+        k = min((o for o in options if o[0] >= best * (1 - _TIE_TOLERANCE)), key=lambda o: (o[1], -o[0]))[2]
+        for p in plans:
+            if p.source == "drafter":
+                p.drafts, p.scores = p.drafts[:k], p.scores[:k]
+
+    # -- verification -----------------------------------------------------------------------------------------------
+
+    def verify(self, plans: list[_Plan], do_sample: bool):
+        """One target forward over every active sequence's pending tokens and drafts; returns per cache row the
+        committed tokens `(1, n + 1)`, the number of accepted drafts `n`, and the processed / raw score rows of the
+        committed tokens."""
+        batch = len(self.active)
+        device = self.target.device
+        pending = [self.pending(r) for r in range(batch)]
+        counts = [p + len(plan.drafts) for p, plan in zip(pending, plans, strict=True)]
+        width = max(counts)
+        ids = torch.zeros(batch, width, dtype=torch.long, device=device)
+        for r, a in enumerate(self.active):
+            row = self.rows[a]
+            tokens = row[0, row.shape[1] - pending[r] :].to(device)
+            if plans[r].drafts:
+                tokens = torch.cat([tokens, torch.cat(plans[r].drafts, dim=1)[0].to(device)])
+            ids[r, width - counts[r] :] = tokens
+        allowed, positions, _ = self.slots.inputs(counts, width)
+        if self.bool_mask:
+            mask = allowed
+        else:
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=device)
+            mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        most = max(len(p.drafts) for p in plans)
+        keep = {"logits_to_keep": most + 1} if self.keeps_logits else {}
+        with torch.no_grad():
+            outputs = self.target(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                **{self.cache_key: self.cache},
+                **keep,
+            )
+        logits = outputs.logits[:, -most - 1 :].float()
+        results = []
+        for r, a in enumerate(self.active):
+            plan, row = plans[r], self.rows[a]
+            k = len(plan.drafts)
+            new_logits = logits[r, most - k :].to(row.device)
+            raw = new_logits.clone()
+            drafts = torch.cat(plan.drafts, dim=1).to(row.device) if k else row.new_zeros((1, 0))
+            candidates = torch.cat([row, drafts], dim=1)
+            cur_len = row.shape[1]
+            processors = self.processors[a]
+            if len(processors) > 0:
+                for i in range(k + 1):
+                    new_logits[i : i + 1] = processors(candidates[:, : cur_len + i], new_logits[i : i + 1])
+            noise = self.noise[a]
+            if do_sample and noise is None and k:
+                valid, n = _speculative_sampling(
+                    candidates, torch.stack(plan.scores, dim=1).to(row.device), k, new_logits[None]
+                )
+                n = int(n)
+            else:
+                if noise is not None:
+                    selected = noise.choose(new_logits, range(cur_len, cur_len + k + 1))[None]
+                elif do_sample:
+                    selected = torch.multinomial(new_logits.softmax(dim=-1), num_samples=1).view(1, -1)
+                else:
+                    selected = new_logits.argmax(dim=-1)[None]
+                n = int(((~(drafts == selected[:, :-1])).cumsum(dim=-1) < 1).sum())
+                valid = selected[:, : n + 1]
+            results.append((valid.to(row.device), n, new_logits, raw))
+        self.counts, self.width = counts, width
+        return results
+
+    def commit(self, kept: list[int]) -> None:
+        """Records in the target's slots that cache row `r` keeps `kept[r]` of the rows it sent."""
+        self.slots.append(self.counts, self.width, kept)
+
+    def leave(self, finished_rows: list[int]) -> None:
+        """Removes the cache rows of finished sequences, then compacts the caches when holes pile up."""
+        if finished_rows:
+            keep = [r for r in range(len(self.active)) if r not in set(finished_rows)]
+            self.active = [self.active[r] for r in keep]
+            if not self.active:
+                return
+            index = torch.tensor(keep, dtype=torch.long, device=self.slots.valid.device)
+            _map_cache(self.cache, lambda t: t.index_select(0, index.to(t.device)))
+            self.slots.select(index)
+            if not self.shared:
+                _map_cache(self.generator.passes.cache, lambda t: t.index_select(0, index.to(t.device)))
+                self.draft_slots.select(index.to(self.draft_slots.valid.device))
+        index = self.slots.compaction_index()
+        if index is not None:
+            _map_cache(self.cache, _gather_slots(index))
+        if not self.shared:
+            index = self.draft_slots.compaction_index()
+            if index is not None:
+                _map_cache(self.generator.passes.cache, _gather_slots(index))
+
+
+def batched_assisted_decoding(
+    target,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    inputs_tensor=None,
+    assistant_model=None,
+    assistant_tokenizer=None,
+    tokenizer=None,
+    **model_kwargs: Any,
+):
+    r"""
+    Speculative decoding of a batch with a D3D drafter in D3D's own loop (module docstring); what `generate` runs
+    for a D3D assistant when the prompts are a batch or padded. The arguments are those transformers prepares for
+    `GenerationMixin._assisted_decoding`.
+
+    Args:
+        target (`PreTrainedModel`): the target (decoder-only, a `DynamicCache` of full-attention layers).
+        input_ids (`torch.LongTensor` of shape `(batch_size, seq_len)`): the prompts, left-padded.
+        logits_processor (`LogitsProcessorList`), stopping_criteria (`StoppingCriteriaList`),
+        generation_config (`GenerationConfig`): as transformers prepared them (`pad_token_id` fills finished rows).
+        assistant_model (`D3DForDiffusionDrafting`): the drafter.
+        tokenizer (*optional*): the target's tokenizer (stop strings).
+        model_kwargs: `generate`'s model keyword arguments: `attention_mask` of shape `(batch_size, seq_len)` (1 =
+            real token; `None` for no padding), the target's (empty) cache as `cache`.
+
+    Returns:
+        `torch.LongTensor` of shape `(batch_size, seq_len + longest generated)`: each row its prompt as given, its
+        generated tokens, then `pad_token_id` up to the longest row (transformers' batch convention); or, with
+        `return_dict_in_generate=True`, `GenerateDecoderOnlyOutput` with `sequences` and, when asked for, `scores` /
+        `logits`: one `(batch_size, vocab_size)` tensor per generated position, zeros in the rows of sequences that
+        had finished (`cache` is `None`: the batched cache holds padding and finished sequences were removed).
+
+    Raises:
+        ValueError: before any forward pass, for a right-padded or empty prompt row, a tree, `d3d_async=True`,
+            `d3d_fused_drafting=True`, `d3d_decoding_loop="transformers"` (`check_batch_options`), a streamer,
+            `synced_gpus`, an encoder-decoder target, a target cache that is not a `DynamicCache` of full-attention
+            layers or is not empty, no `pad_token_id` for a batch, `d3d_sampling="speculative"` without transformers'
+            `_speculative_sampling`, and for what `D3DCandidateGenerator` refuses.
+    """
+    attention_mask = model_kwargs.get("attention_mask")
+    batch, width = input_ids.shape
+    padded = attention_mask is not None and not bool(attention_mask.bool().all())
+    options = D3DGenerationOptions.resolve(generation_config, assistant_model)
+    check_batch_options(options, batch, padded)
+    _refuse_call(target, generation_config, synced_gpus, streamer, model_kwargs)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    attention_mask = attention_mask.bool()
+    if attention_mask.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"`attention_mask` must have the prompts' shape {tuple(input_ids.shape)}, got "
+            f"{tuple(attention_mask.shape)}."
+        )
+    empty = [i for i, row in enumerate(attention_mask.tolist()) if not any(row)]
+    if empty:
+        raise ValueError(
+            f"Prompt row(s) {empty} of the batch are all padding (`attention_mask` 0 everywhere): D3D drafts after the "
+            "last committed token, so every prompt needs at least one. Drop those rows or give them a token."
+        )
+    if bool((attention_mask[:, 1:] < attention_mask[:, :-1]).any()) or not bool(attention_mask[:, -1].all()):
+        raise ValueError(
+            "Batched D3D decoding takes left-padded prompts (padding first, then the tokens, no gaps), as "
+            "transformers' batched generation of decoder-only models does: set `tokenizer.padding_side = 'left'` "
+            "before tokenizing the batch."
+        )
+    prompt_lengths = attention_mask.sum(dim=1).tolist()
+    pad = getattr(generation_config, "_pad_token_tensor", None)
+    if pad is None and generation_config.pad_token_id is None:
+        raise ValueError("A batch needs `pad_token_id` to fill finished rows: pass `pad_token_id=` to `generate`.")
+    pad_id = int(pad if pad is not None else generation_config.pad_token_id)
+    do_sample = bool(generation_config.do_sample)
+    if do_sample and options.sampling == "speculative" and _speculative_sampling is None:
+        raise ValueError(
+            "`d3d_sampling='speculative'` in a batch needs transformers' `_speculative_sampling`, which this "
+            "transformers lacks: use `d3d_sampling='invariant'` (the default)."
+        )
+    cache_key = "cache" if model_kwargs.get("cache") is not None else "past_key_values"
+    cache = model_kwargs.get(cache_key)
+    if cache is None:
+        raise RuntimeError("Assisted decoding requires a cache")
+    _check_cache(cache)
+    generator = target._get_candidate_generator(
+        generation_config=generation_config,
+        input_ids=input_ids,
+        inputs_tensor=inputs_tensor,
+        assistant_model=assistant_model,
+        logits_processor=logits_processor,
+        target_tokenizer=tokenizer,
+        assistant_tokenizer=assistant_tokenizer,
+        model_kwargs=model_kwargs,
+    )
+    stats = generator.stats
+    stats.batch_size = batch
+    return_dict = bool(generation_config.return_dict_in_generate)
+    want_scores = return_dict and generation_config.output_scores
+    want_logits = return_dict and generation_config.output_logits
+    eos = getattr(generation_config, "_eos_token_tensor", None)
+    eos_ids = set() if eos is None else {int(t) for t in eos.flatten().tolist()}
+    scores = [[] for _ in range(batch)]
+    raw_logits = [[] for _ in range(batch)]
+    with generator.own_loop(target, cache, batched=True):
+        rounds = BatchedRounds(generator, target, cache, cache_key, input_ids, prompt_lengths)
+        policy = generator.planner.policy
+        while rounds.active:
+            start = time.perf_counter()
+            plans, source, masks = rounds.plan()
+            drafted = time.perf_counter()
+            results = rounds.verify(plans, do_sample)
+            kept, finished, committed, accepted = [], [], 0, 0
+            for r, a in enumerate(list(rounds.active)):
+                valid, n, new_logits, raw = results[r]
+                row = rounds.rows[a]
+                valid = valid[:, : generation_config.max_length - row.shape[1]]
+                hits = [i for i, token in enumerate(valid[0].tolist()) if token in eos_ids]
+                if hits:
+                    valid = valid[:, : hits[0] + 1]
+                n = valid.shape[1] - 1
+                rounds.rows[a] = row = torch.cat([row, valid], dim=1)
+                committed += n + 1
+                accepted += n
+                plan = plans[r]
+                if plan.source == "drafter" and plan.confidences:
+                    policy.calibrator.observe(plan.confidences, min(n, len(plan.drafts)), len(plan.drafts))
+                elif plan.source == "lookup" and plan.drafts:
+                    policy.observe_lookup(len(plan.drafts), min(n, len(plan.drafts)), plan.ngram)
+                if want_scores:
+                    scores[a].extend(new_logits[i : i + 1] for i in range(n + 1))
+                if want_logits:
+                    raw_logits[a].extend(raw[i : i + 1] for i in range(n + 1))
+                kept.append(n)
+                if bool(stopping_criteria(row, new_logits[n : n + 1])[0]):
+                    finished.append(r)
+                if rounds.noise[a] is not None:
+                    rounds.noise[a].forget_before(row.shape[1])
+            # the target's cache keeps, per sequence, its pending tokens and the accepted drafts
+            rounds.commit([rounds.counts[r] - len(plans[r].drafts) + kept[r] for r in range(len(kept))])
+            candidates = sum(len(p.drafts) for p in plans)
+            stats.record_round_plan(source if candidates else "target", candidates)
+            stats.rounds += 1
+            stats.accepted_drafts += accepted
+            stats.new_tokens += committed
+            stats.acceptance_lengths.append(committed)
+            stats.draft_seconds.append(drafted - start)
+            stats.verify_seconds.append(time.perf_counter() - drafted)
+            rounds.leave(finished)
+        generator.planner.save_if_ends(lambda: True)
+    longest = max(row.shape[1] for row in rounds.rows)
+    sequences = torch.full((batch, longest), pad_id, dtype=input_ids.dtype, device=input_ids.device)
+    for a, row in enumerate(rounds.rows):
+        sequences[a, : row.shape[1]] = row[0]
+    if not return_dict:
+        return sequences
+
+    def steps(per_sequence):
+        if not any(per_sequence):
+            return None
+        vocab = next(s for s in per_sequence if s)[0].shape[-1]
+        out = []
+        for t in range(longest - width):
+            step = torch.zeros(batch, vocab, device=input_ids.device)
+            for a, rows in enumerate(per_sequence):
+                if t < len(rows):
+                    step[a] = rows[t][0].to(step.device)
+            out.append(step)
+        return tuple(out)
+
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences,
+        scores=steps(scores) if want_scores else None,
+        logits=steps(raw_logits) if want_logits else None,
+        cache=None,
+    )
+
+
+__all__ = [
+    "BatchedRounds",
+    "RaggedSlots",
+    "batched_assisted_decoding",
+    "check_batch_options",
+    "needs_batched_loop",
+    "sequence_noise",
+]
