@@ -245,6 +245,11 @@ class D3DCandidateGenerator(CandidateGenerator):
             reason = "asynchronous rounds draft in the packed pass"
         elif self.tree is not None:
             reason = "tree verification drafts with a pass per round"
+        elif option == "auto" and self.passes.device.type == "cpu":
+            reason = (
+                "cpu: the block rows' adapter hooks measured dearer than the draft pass a hit saves "
+                "(benchmarks/results/fused/rows_cost.md); True runs it"
+            )
         elif self.planner.fixed_num_drafts is not None and option == "auto":
             reason = "a fixed d3d_num_drafts drafts with a pass each round (True drafts in the verifications)"
         elif self.planner.fixed_num_drafts is None and self.planner.policy.draft_curve is None:

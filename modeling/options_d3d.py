@@ -164,7 +164,8 @@ class D3DGenerationOptions:
             end, the drafter's block that would follow (mask rows with the block adapters, on the target's own
             weights); when the path ends there, the next round's drafts are ready without a draft pass. `"auto"`: on
             in D3D's own loop with chain verification, the adaptive engine and a drafter that runs on all of the
-            target's own layers (the blocks are then placed by the cost-aware policy); `True`: also with a fixed
+            target's own layers (the blocks are then placed by the cost-aware policy), except on CPU, where the
+            block rows measured dearer than the pass they save (benchmarks/results/fused/); `True`: also with a fixed
             `d3d_num_drafts` (a block after every candidate, so every round after the first drafts in the previous
             verification); refused where it cannot run; `False`: off.
         sampling (`str`, default `"invariant"`): how `do_sample=True` verifies. `"invariant"`: drafter-invariant
@@ -249,7 +250,7 @@ class D3DGenerationOptions:
         "auto",
         "'auto', True or False",
         "Draft the next round's block inside this round's verification forward (no draft pass after a hit): "
-        "`'auto'` = where the drafter runs on all the target's own weights, with the adaptive engine.",
+        "`'auto'` = off on CPU (measured slower there), else where the drafter runs on the target's own weights.",
         _auto_or_boolean,
     )
     sampling: str = _option(

@@ -153,12 +153,14 @@ def shared_pair():
     return target, weight_sharing_drafter(target, block_size=4, scale=0.05)
 
 
-def test_default_engine_drafts_inside_verifications_and_stays_lossless(shared_pair):
+def test_adaptive_engine_drafts_inside_verifications_and_stays_lossless(shared_pair):
     target, drafter = shared_pair
     ready = 0
     for seed in range(3):
         prompt = random_prompt(7, seed=seed)
         assert _greedy(target, prompt, drafter) == _greedy(target, prompt), seed
+        assert "cpu" in drafter.last_generation_stats.overrides["d3d_fused_drafting"]  # 'auto' is off on CPU
+        assert _greedy(target, prompt, drafter, d3d_fused_drafting=True) == _greedy(target, prompt), seed
         stats = drafter.last_generation_stats
         assert stats.fused_drafting and "d3d_fused_drafting" not in stats.overrides
         ready += stats.ready_rounds
@@ -176,8 +178,8 @@ def test_fixed_plan_with_fused_drafting_drafts_every_block_in_the_verification(s
     assert stats.ready_rounds >= stats.rounds - 2 and stats.accepted_drafts > 0
     assert stats.round_sources.count("drafter") >= stats.rounds - 2
     assert _greedy(target, prompt, drafter, d3d_num_drafts=3) == expected
-    assert drafter.last_generation_stats.ready_rounds == 0  # 'auto' keeps a fixed plan's draft pass per round
-    assert "fixed" in drafter.last_generation_stats.overrides["d3d_fused_drafting"]
+    assert drafter.last_generation_stats.ready_rounds == 0  # 'auto' keeps a fixed plan's draft pass per round (and CPU)
+    assert drafter.last_generation_stats.overrides["d3d_fused_drafting"].startswith("auto -> False")
 
 
 def test_eos_inside_a_round_with_fused_drafting(shared_pair):
@@ -187,7 +189,7 @@ def test_eos_inside_a_round_with_fused_drafting(shared_pair):
     eos = free[9]  # a token the target emits mid-way: generation must stop right there
     expected = _greedy(target, prompt, eos_token_id=eos)
     assert len(expected) < len(free)
-    for options in ({}, {"d3d_num_drafts": 3, "d3d_fused_drafting": True}):
+    for options in ({"d3d_fused_drafting": True}, {"d3d_num_drafts": 3, "d3d_fused_drafting": True}):
         assert _greedy(target, prompt, drafter, eos_token_id=eos, **options) == expected, options
 
 
@@ -205,7 +207,7 @@ def test_sampling_gives_the_same_tokens_with_and_without_fused_drafting(shared_p
     reference = sample(d3d_num_drafts=0)
     assert sample(d3d_num_drafts=3, d3d_fused_drafting=True) == reference
     assert drafter.last_generation_stats.ready_rounds > 0
-    assert sample() == reference
+    assert sample(d3d_fused_drafting=True) == reference
 
 
 def test_fused_drafting_true_is_refused_where_it_cannot_run(shared_pair):
@@ -226,14 +228,15 @@ def test_shipped_drafter_fused_drafting_is_lossless_on_smollm2(smollm2):
 
     target, tokenizer = smollm2
     drafter = load_drafter("d3d-smollm2-135m-instruct")
-    for name, plans in (("humaneval", ({}, {"d3d_num_drafts": 3, "d3d_fused_drafting": True})), ("mt-bench", ({},))):
+    adaptive = {"d3d_fused_drafting": True}
+    for name, plans in (("humaneval", (adaptive, {"d3d_num_drafts": 3, **adaptive})), ("mt-bench", (adaptive,))):
         prompt = encode_prompt(tokenizer, load_prompts(name, limit=1)[0])
         expected = _greedy(target, prompt)
         for options in plans:
             assert _greedy(target, prompt, drafter, **options) == expected, (name, options)
             stats = drafter.last_generation_stats
             assert stats.fused_drafting
-            if options:  # a block after every acceptance length: the rounds after the first draft in the verification
+            if "d3d_num_drafts" in options:  # a block after every length: every later round drafts in one
                 assert stats.ready_rounds >= stats.rounds - 2 > 0
 
 
