@@ -301,6 +301,33 @@ def test_load_prompt_sources_rejects_evaluation_ids_duplicates_and_bad_counts(tm
             load_prompt_sources(bad)
 
 
+def test_templated_math_and_chat_sources():
+    """`math[:N]` / `chat[:N]`: deterministic under a seed, distinct, kinds interleaved, whole-number problems, never an
+    evaluation prompt (the evaluation texts installed here are checked by load_prompt_sources itself)."""
+    from d3d_hf.prompts import chat_instructions, math_word_problems
+
+    math = load_prompt_sources("math:60")
+    assert [p.id for p in math] == [f"math/{i}" for i in range(60)]
+    assert math == math_word_problems(60) and math != math_word_problems(60, seed=1)
+    texts = [p.messages[0]["content"] for p in math]
+    assert len(set(texts)) == 60
+    assert not re.search(r"\d\.\d", " ".join(texts))  # whole numbers only
+    assert len({t.split(" ")[1] for t in texts[:10]}) > 3  # the ten kinds are taken in turn
+    chat = load_prompt_sources("chat:40,math:5")
+    assert [p.id for p in chat[:40]] == [f"chat/{i}" for i in range(40)] and chat[40:] == math[:5]
+    assert len({p.messages[0]["content"][:20] for p in chat[:17]}) == 17  # 16 templates + extraction in turn
+    assert len(load_prompt_sources("chat")) == 400
+    assert len(chat_instructions(3000)) == 3000  # templates that run out leave the rotation
+    with pytest.raises(ValueError, match="positive integer"):
+        math_word_problems(0)
+    with pytest.raises(ValueError, match="positive integer"):
+        load_prompt_sources("math:0")
+    with pytest.raises(ValueError, match="Only 2 distinct"):
+        from d3d_hf.prompts.synthetic import _round_robin
+
+        _round_robin([lambda r: "same", lambda r: "other"], 3, 0, "x")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # encode_prompt
 

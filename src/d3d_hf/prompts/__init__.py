@@ -4,8 +4,9 @@
 - `benchmarks`: `load_prompts`, the named evaluation sets (HumanEval, GSM8K, MT-Bench, Vicuna bench: sources and
   licences in its docstring) and JSONL prompt files;
 - `stdlib`: `stdlib_prompts`, training instructions derived from the Python standard library;
-- `sources`: `load_prompt_sources`, the training prompt sources (`stdlib[:N]` and JSONL files, never an evaluation
-  set).
+- `synthetic`: `math_word_problems` and `chat_instructions`, templated training prompts for math and chat;
+- `sources`: `load_prompt_sources`, the training prompt sources (`stdlib[:N]`, `math[:N]`, `chat[:N]` and JSONL
+  files, never an evaluation set).
 
 Every name is importable from `d3d_hf.prompts` itself (the stdlib and source names also from `d3d_hf.data`).
 """
@@ -20,6 +21,7 @@ from .benchmarks import _round_robin as _round_robin
 from .prompt import Prompt, encode_prompt
 from .prompt import _to_id_list as _to_id_list
 from .sources import EVALUATION_SETS, evaluation_texts, load_prompt_sources, refuse_evaluation_rows
+from .synthetic import SYNTHETIC_SOURCES, chat_instructions, math_word_problems
 from .stdlib import MAX_SOURCE_CHARS, STDLIB_KINDS, STDLIB_LICENSE, stdlib_prompts, stdlib_source_info
 
 __all__ = [
@@ -30,11 +32,14 @@ __all__ = [
     "PROMPT_SETS",
     "STDLIB_KINDS",
     "STDLIB_LICENSE",
+    "SYNTHETIC_SOURCES",
     "Prompt",
+    "chat_instructions",
     "encode_prompt",
     "evaluation_texts",
     "load_prompt_sources",
     "load_prompts",
+    "math_word_problems",
     "refuse_evaluation_rows",
     "stdlib_prompts",
     "stdlib_source_info",

@@ -5,6 +5,9 @@ A source spec is a comma-separated list of:
 * ``stdlib[:N]``: :func:`~d3d_hf.prompts.stdlib_prompts`, instructions derived from the documented functions and
   classes of the Python standard library installed with the interpreter (Python Software Foundation License
   Version 2);
+* ``math[:N]`` and ``chat[:N]``: :func:`~d3d_hf.prompts.math_word_problems` and
+  :func:`~d3d_hf.prompts.chat_instructions`, templated math word problems and chat requests written by this
+  project (:mod:`d3d_hf.prompts.synthetic`);
 * a JSONL file in the format of :func:`d3d_hf.prompts.load_prompts`, optionally ``path:N`` for its first N prompts;
 * every evaluation set the bench knows (``humaneval``, ``gsm8k``, ``mt-bench``, ``vicuna-bench``: the keys of
   :data:`~d3d_hf.prompts.PROMPT_SETS`) is refused, and so is any prompt whose id is an evaluation id
@@ -20,10 +23,14 @@ from collections.abc import Iterable
 from .benchmarks import PROMPT_SETS, load_prompts
 from .prompt import Prompt
 from .stdlib import stdlib_prompts
+from .synthetic import SYNTHETIC_SOURCES
 
 EVALUATION_SETS = frozenset(PROMPT_SETS)
 """Prompt sets used for evaluation (every set the bench knows); :func:`load_prompt_sources` refuses them for
 training data, and :func:`refuse_evaluation_rows` refuses datasets that hold their prompts."""
+
+_NAMED_SOURCES = frozenset({"stdlib", *SYNTHETIC_SOURCES})
+"""Source names that are not file paths (a file named like one needs a path, e.g. ``./math``)."""
 
 _EVALUATION_ID = re.compile(r"^(HumanEval|gsm8k|mt-bench|vicuna-bench)/\d+$")
 """The ids `load_prompts` gives the prompts of the evaluation sets."""
@@ -108,13 +115,14 @@ def refuse_evaluation_rows(dataset, where: str = "the dataset") -> None:
 def load_prompt_sources(spec: str, seed: int = 0) -> list[Prompt]:
     """Load training prompts from a comma-separated list of sources.
 
-    Each item is ``stdlib`` or ``stdlib:N`` (:func:`stdlib_prompts` with ``limit=N``), or a JSONL file path,
-    optionally ``path:N`` for its first N prompts (:func:`d3d_hf.prompts.load_prompts`). Example:
-    ``"stdlib:600,data/extra.jsonl"``.
+    Each item is ``stdlib`` or ``stdlib:N`` (:func:`stdlib_prompts` with ``limit=N``), ``math[:N]`` or
+    ``chat[:N]`` (the templated sources of :mod:`d3d_hf.prompts.synthetic`, 400 prompts without ``:N``), or a
+    JSONL file path, optionally ``path:N`` for its first N prompts (:func:`d3d_hf.prompts.load_prompts`). Example:
+    ``"stdlib:600,math:300,chat:300,data/extra.jsonl"``.
 
     Args:
         spec: The comma-separated sources.
-        seed: Seed passed to :func:`stdlib_prompts`.
+        seed: Seed passed to :func:`stdlib_prompts` and the templated sources.
 
     Returns:
         The prompts of all sources, in the order given.
@@ -136,7 +144,7 @@ def load_prompt_sources(spec: str, seed: int = 0) -> list[Prompt]:
             raise ValueError(f"Empty item in prompt sources {spec!r}: separate sources with single commas.")
         source, limit = item, None
         head, sep, tail = item.rpartition(":")
-        if sep and head and (tail.strip().lstrip("-").isdigit() or head.strip().lower() == "stdlib"):
+        if sep and head and (tail.strip().lstrip("-").isdigit() or head.strip().lower() in _NAMED_SOURCES):
             if not tail.strip().isdigit() or int(tail) < 1:
                 raise ValueError(f"{item!r}: the count after ':' must be a positive integer.")
             source, limit = head.strip(), int(tail)
@@ -148,6 +156,8 @@ def load_prompt_sources(spec: str, seed: int = 0) -> list[Prompt]:
             )
         if name == "stdlib":
             loaded = stdlib_prompts(limit=limit, seed=seed)
+        elif name in SYNTHETIC_SOURCES:
+            loaded = SYNTHETIC_SOURCES[name](limit=400 if limit is None else limit, seed=seed)
         else:
             loaded = load_prompts(source, limit=limit)
         for p in loaded:
