@@ -2,8 +2,9 @@
 (`successor_d3d`, issue 26), against the same forward without them, and against the draft pass it replaces.
 
 Per row count: the target's forward over `q` verified rows (one committed token + `q - 1` candidates) plus `e`
-block rows (mask embedding and block adapters on them, by the forward hooks of `block_rows_on_target`), the same
-`q + e` rows without the hooks (what the hooks themselves cost), and the drafter's synchronous draft pass of one
+block rows (mask embedding and block adapters on them: `block_rows_on_target`, which runs the target's projections
+on the drafter's fused `[W; A]` weights), the same `q + e` rows as plain target rows (what making them block rows
+costs), and the drafter's synchronous draft pass of one
 committed token and `m` masks on the target's cache (what a hit saves). One process, variants interleaved per repeat
 in a shuffled order, the target's copy-free GQA attention on as in D3D's loop; medians in milliseconds. Run it alone:
 
@@ -48,14 +49,14 @@ def main() -> None:
     with torch.no_grad():
         target(input_ids=context, cache=cache, use_cache=True)
 
-    def forward(rows: int, block_rows: int, hooked: bool) -> float:
+    def forward(rows: int, block_rows: int, as_blocks: bool) -> float:
         n = rows + block_rows
         ids = torch.randint(3, 1000, (1, n))
         mask = torch.zeros(1, 1, n, args.context + n, dtype=dtype)
         positions = torch.arange(args.context, args.context + n)[None]
         start = time.perf_counter()
         with torch.no_grad():
-            if hooked and block_rows:
+            if as_blocks and block_rows:
                 with block_rows_on_target(target, drafter, rows):
                     target(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
             else:
@@ -75,7 +76,7 @@ def main() -> None:
         return time.perf_counter() - start
 
     variants = [("verify", q, e, True) for q in VERIFIED for e in BLOCK_ROWS]
-    variants += [("unhooked", q, e, False) for q in VERIFIED for e in BLOCK_ROWS if e]
+    variants += [("plain", q, e, False) for q in VERIFIED for e in BLOCK_ROWS if e]
     variants += [("pass", m, 0, False) for m in MASKS]
     times = {v: [] for v in variants}
     rng = random.Random(0)
@@ -99,10 +100,10 @@ def main() -> None:
         cells = [f"{ms[('verify', q, e, True)]:.1f}" for e in BLOCK_ROWS]
         per_row = (ms[("verify", q, 16, True)] - ms[("verify", q, 0, True)]) / 16
         lines.append(f"| {q} | " + " | ".join(cells) + f" | {per_row:.2f} |")
-    lines += ["", "The same rows without the hooks (plain target rows; the difference is what the hooks cost):", ""]
+    lines += ["", "The same rows as plain target rows (the difference is what making them block rows costs):", ""]
     lines += ["| verified rows | " + " | ".join(f"+{e}" for e in BLOCK_ROWS if e) + " |", "|---|" + "---|" * 6]
     for q in VERIFIED:
-        lines.append(f"| {q} | " + " | ".join(f"{ms[('unhooked', q, e, False)]:.1f}" for e in BLOCK_ROWS if e) + " |")
+        lines.append(f"| {q} | " + " | ".join(f"{ms[('plain', q, e, False)]:.1f}" for e in BLOCK_ROWS if e) + " |")
     lines += ["", "The draft pass a hit replaces (1 committed token + m masks, on the target's cache):", ""]
     lines += ["| masks | " + " | ".join(str(m) for m in MASKS) + " |", "|---|" + "---|" * len(MASKS)]
     lines.append("| ms | " + " | ".join(f"{ms[('pass', m, 0, False)]:.1f}" for m in MASKS) + " |")

@@ -38,17 +38,23 @@ def _decoder_layers(target) -> nn.ModuleList | None:
     return getattr(decoder, "layers", None)
 
 
-def _adapted_projections(drafter, target) -> list[tuple[nn.Module, nn.Module]]:
-    """`(target_linear, drafter_linear)` for every projection of the drafter that has a block adapter."""
+def _projection_groups(drafter, target) -> list[tuple[list[nn.Module], list[nn.Module], dict]]:
+    """`(target_linears, drafter_projections, cache)` for every group of projections that read one input (q/k/v,
+    o, gate/up, down) of every layer; `cache` is the drafter's own store of the group's derived weights (`project`),
+    so the target's forwards reuse the fused weights the drafter's passes built (no second copy)."""
     layers = _decoder_layers(target)
-    pairs = []
+    groups = []
     for index, layer in enumerate(drafter.model.layers):
-        for name in drafter.config.block_lora_modules:
-            parent = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            own = getattr(getattr(layer, parent), name)
-            if getattr(own, "rank", 0) > 0:
-                pairs.append((layers[index].get_submodule(f"{parent}.{name}"), own))
-    return pairs
+        attention, mlp = layer.self_attn, layer.mlp
+        for parent, names, owner, cache in (
+            ("self_attn", ("q_proj", "k_proj", "v_proj"), attention, attention._adapter_cache),
+            ("self_attn", ("o_proj",), attention, attention._out_adapter_cache),
+            ("mlp", ("gate_proj", "up_proj"), mlp, mlp._adapter_cache),
+            ("mlp", ("down_proj",), mlp, mlp._out_adapter_cache),
+        ):
+            theirs = [layers[index].get_submodule(f"{parent}.{name}") for name in names]
+            groups.append((theirs, [getattr(owner, name) for name in names], cache))
+    return groups
 
 
 def fused_drafting_unavailable(drafter, target) -> str | None:
@@ -68,11 +74,12 @@ def fused_drafting_unavailable(drafter, target) -> str | None:
     if ids != list(range(len(layers))):
         return f"the drafter runs {len(ids)} of the target's {len(layers)} layers (fused blocks need all, in order)"
     try:
-        pairs = _adapted_projections(drafter, target)
+        groups = _projection_groups(drafter, target)
     except (AttributeError, IndexError):
         return f"{type(target).__name__}'s layers do not have the drafter's projection names"
-    if any(theirs.weight is not own.weight for theirs, own in pairs):
-        return "the drafter's adapted projections are not the target's own weights"
+    for theirs, own, _ in groups:
+        if any(not isinstance(t, nn.Linear) or t.weight is not o.weight for t, o in zip(theirs, own, strict=True)):
+            return "the drafter's projections are not the target's own linear modules' weights"
     return None
 
 
@@ -140,42 +147,72 @@ def successor_attention_inputs(
 def block_rows_on_target(target, drafter, start: int):
     r"""While open, every forward of `target` treats its rows `start..` as the drafter's block rows: their input
     embedding is the drafter's mask embedding and each adapted projection adds the drafter's block adapter there
-    (`out += scaling * (x A^T) B^T` on those rows only; the other rows are untouched). Forward hooks, removed when the
-    context closes (also on an exception). Use only on a pair for which `fused_drafting_unavailable` is `None`.
+    (`out += scaling * (x A^T) B^T` on those rows only). The target's projections run the drafter's own projection
+    path (`fast_paths_d3d.project`: the drafter's layers *are* the target's weights plus adapters): each group that
+    reads one input (q/k/v, gate/up, and o, down alone) is one call of the drafter's `FusedProjections` `[W; A]`
+    weight where the drafter runs those (`fused_projections`), and its `MatmulLayouts` with `autotune_matmuls`,
+    so a block row costs what a plain row does (the forward hooks this replaced cost ~6 ms per block row in
+    bfloat16: benchmarks/results/fused/rows_cost.md). The other rows are the target's own projections computed in
+    one matmul with the adapter down-projection: the same values up to float rounding (tests/test_successor.py).
+    The first projection of a group computes the group and hands the others their outputs (q_proj for k_proj and
+    v_proj, gate_proj for up_proj, recognised by the very same input tensor); a projection called on another input
+    computes its own. The instance-level `forward`s are removed when the context closes (also on an exception).
+    Use only on a pair for which `fused_drafting_unavailable` is `None`.
 
     Args:
         target (`PreTrainedModel`): the target.
         drafter (`D3DForDiffusionDrafting`): its weight-sharing drafter.
         start (`int`): the first block row of the forwards run while open.
     """
-    handles = []
+    from .fast_paths_d3d import project
+
     mask_vector = drafter.model.mask_token_embedding()
+    rows_by_length: dict[tuple, object] = {}
+
+    def block_rows(x: torch.Tensor):
+        key = (x.shape[0], x.shape[1], x.dtype, x.device)
+        rows = rows_by_length.get(key)
+        if rows is None:
+            positions = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)
+            positions[:, start:] = True
+            rows = rows_by_length[key] = drafter.model._block_rows(positions, x.dtype, x.device)
+        return rows
 
     def embed_hook(module, args, output):
         output[:, start:] = mask_vector.to(output.dtype)
         return output
 
-    def adapter_hook(own):
-        weights = {}
+    def group_forward(own: list[nn.Module], cache: dict, index: int, handed: dict):
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if index > 0:
+                ready = handed.pop(index, None)
+                if ready is not None and ready[0] is x:
+                    return ready[1]
+                return project([own[index]], x, block_rows(x), {})[0]
+            outputs = project(own, x, block_rows(x), cache)
+            for later in range(1, len(own)):
+                handed[later] = (x, outputs[later])
+            return outputs[0]
 
-        def hook(module, args, output):
-            x = args[0][:, start:]
-            pair = weights.get(x.dtype)
-            if pair is None:
-                pair = weights[x.dtype] = (own.lora_A.to(x.dtype), (own.lora_B * own.lora_scaling).to(x.dtype))
-            output[:, start:] += nn.functional.linear(nn.functional.linear(x, pair[0]), pair[1])
-            return output
+        return forward
 
-        return hook
-
+    routed, handle = [], None  # (module, the instance-level forward it had, e.g. `target_matmul_layouts`')
     try:
-        handles.append(target.get_input_embeddings().register_forward_hook(embed_hook))
-        for theirs, own in _adapted_projections(drafter, target):
-            handles.append(theirs.register_forward_hook(adapter_hook(own)))
+        handle = target.get_input_embeddings().register_forward_hook(embed_hook)
+        for theirs, own, cache in _projection_groups(drafter, target):
+            handed: dict = {}
+            for index, module in enumerate(theirs):
+                routed.append((module, module.__dict__.get("forward")))
+                module.forward = group_forward(own, cache, index, handed)
         yield
     finally:
-        for handle in handles:
+        if handle is not None:
             handle.remove()
+        for module, previous in routed:
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
 
 
 def end_probabilities(acceptance: list[float]) -> list[float]:

@@ -99,6 +99,34 @@ def test_verified_rows_are_the_targets_and_block_rows_are_the_drafters_pass(fami
     _check_fused_forward(target, drafter, prompt, [11, 12, 13], [-1, 0, 2], 3, atol=1e-5)
 
 
+def test_block_rows_on_target_routes_projection_groups_and_restores_the_modules():
+    """The target's projections run the drafter's grouped path only while open: a projection called on an input
+    other than its group's computes its own output (same values as the drafter's D3DLinear on those rows), and a
+    forward the module had before (`target_matmul_layouts`) is restored on exit."""
+    from d3d_hf.modeling.fast_paths_d3d import target_matmul_layouts
+
+    target = tiny_target("llama", seed=7)
+    drafter = weight_sharing_drafter(target, block_size=4)
+    attention = target.model.layers[0].self_attn
+    own = drafter.model.layers[0].self_attn
+    x = torch.randn(1, 5, target.config.hidden_size)
+    gate = torch.zeros(1, 5, 1)
+    gate[:, 3:] = 1
+    with torch.no_grad(), target_matmul_layouts(target) as routed:
+        layouts_forward = attention.k_proj.forward
+        with block_rows_on_target(target, drafter, 3):
+            q = attention.q_proj(x)
+            torch.testing.assert_close(q, own.q_proj(x, gate, x * gate), atol=1e-5, rtol=0)
+            other = torch.randn(1, 5, target.config.hidden_size)  # not q_proj's input: computed on its own
+            torch.testing.assert_close(attention.k_proj(other), own.k_proj(other, gate, other * gate), atol=1e-5,
+                                       rtol=0)
+            torch.testing.assert_close(attention.v_proj(x), own.v_proj(x, gate, x * gate), atol=1e-5, rtol=0)
+            assert not torch.allclose(q[:, 3:], torch.nn.functional.linear(x, attention.q_proj.weight)[:, 3:])
+        assert attention.k_proj.forward == layouts_forward and attention.k_proj in routed
+    assert all("forward" not in m.__dict__ for m in target.modules())
+    torch.testing.assert_close(attention.q_proj(x), torch.nn.functional.linear(x, attention.q_proj.weight))
+
+
 def test_fused_forward_on_smollm2_and_the_shipped_drafter(smollm2):
     from d3d_hf.drafters import load_drafter
     from d3d_hf.prompts import encode_prompt, load_prompts
