@@ -452,6 +452,12 @@ _register_d3d_variant(
     d3d_fused_drafting=False,
 )
 _register_d3d_variant(
+    "d3d-fused",
+    "the default D3D engine with fused successor drafting forced on (`d3d_fused_drafting=True`; its default 'auto' "
+    "is off on CPU): the next round's block drafted inside each verification where the policy places one",
+    d3d_fused_drafting=True,
+)
+_register_d3d_variant(
     "d3d-own-cache",
     "D3D (chain rounds) with the drafter's own cache: committed tokens re-run by the drafter (the ablation of "
     "`d3d_share_target_cache`)",
