@@ -8,7 +8,7 @@ set -euo pipefail
 THREADS=${THREADS:-2}
 DATA=${DATA:-runs/data/smollm2-mixed}
 RUN=${RUN:-runs/train/smollm2-d3d-mixed}
-STEPS=${STEPS:-1000}
+STEPS=${STEPS:-1400}
 PROMPTS=${PROMPTS:-stdlib:400,math:400,chat:400}
 
 # 1. Target-distilled data (greedy, bfloat16): stdlib code instructions, templated math word problems and chat

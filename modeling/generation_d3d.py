@@ -314,7 +314,7 @@ class D3DCandidateGenerator(CandidateGenerator):
             lookup_ngram_size=ngram_size or None,
             **ready_kwargs,
         )
-        drafts, scores, confidences, draft_seconds = [], [], None, None
+        drafts, scores, confidences, draft_seconds, ready_round = [], [], None, None, False
         if decision.source == "lookup":
             drafts, scores = proposer.lookup_drafts(input_ids, lookup[0, : decision.num_lookup].tolist())
         elif getattr(decision, "ready", False):  # drafted inside the last verification: no pass
@@ -324,6 +324,7 @@ class D3DCandidateGenerator(CandidateGenerator):
                 keep = planner.policy.choose(confidences, 0.0, decision)
                 drafts, scores = drafts[:keep], scores[:keep]
             self.stats.ready_rounds += 1
+            ready_round = True
         elif decision.source == "drafter" and decision.num_masks > 0:
             committed = input_ids[:, cache.get_seq_length() :].to(self.passes.device)
             # a fixed number of drafts keeps its block whole near `max_length` (masks attend to each other, so the
@@ -339,7 +340,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         self._round = (decision, len(drafts), confidences, draft_seconds)  # the seconds to learn
         if self.successors is not None:
             self._plan_successors(decision, drafts, confidences, cur_len)
-        return self._finish_round(input_ids, decision.source, drafts, scores)
+        return self._finish_round(input_ids, decision.source, drafts, scores, ready_round)
 
     def _plan_successors(self, decision, drafts: list, confidences: list[float] | None, cur_len: int) -> None:
         """Plans the drafter blocks of this round's verification from the candidates' estimated acceptance."""
@@ -354,9 +355,11 @@ class D3DCandidateGenerator(CandidateGenerator):
         room = self.max_length - cur_len
         self.successors.plan(acceptance, tokens, 1 + num_sent, room, set(self.proposer.eos_token_ids))
 
-    def _finish_round(self, input_ids: torch.LongTensor, source: str, drafts: list, scores: list):
+    def _finish_round(
+        self, input_ids: torch.LongTensor, source: str, drafts: list, scores: list, ready: bool = False
+    ):
         """Records the round's plan, ends its draft span and returns what `get_candidates` returns."""
-        self.stats.record_round_plan(source, len(drafts))
+        self.stats.record_round_plan(source, len(drafts), ready)
         self.round_clock.end_draft()
         self.passes.verification_starts()
         if not drafts:

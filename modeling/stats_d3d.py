@@ -56,6 +56,8 @@ class D3DGenerationStats:
         successor_hits (`int`): verifications whose accepted path ended where a block was drafted.
         successor_hit_flags (`list[bool]`): per verification that drafted blocks or not, whether it was a hit.
         ready_rounds (`int`): rounds whose drafts were such a block (no draft pass).
+        ready_round_flags (`list[bool]`): per round, whether its drafts were such a block (so the acceptance of
+            ready rounds and of drafter rounds with a pass can be told apart: `acceptance_by_drafting`).
         batch_size (`int`): sequences decoded together (`batched_decoding_d3d`; 1 for one sequence). For a batch,
             `rounds` counts the batch's target forwards, and `new_tokens`, `accepted_drafts`, `drafted_tokens`,
             `acceptance_lengths` and `round_candidates` sum over its sequences: `tau` is the batch's tokens per forward.
@@ -90,10 +92,13 @@ class D3DGenerationStats:
     successor_hits: int = 0
     ready_rounds: int = 0
     successor_hit_flags: list[bool] = field(default_factory=list)
+    ready_round_flags: list[bool] = field(default_factory=list)
     batch_size: int = 1
 
-    def record_round_plan(self, source: str, num_candidates: int) -> None:
-        """Records where a round's candidates came from and how many were sent."""
+    def record_round_plan(self, source: str, num_candidates: int, ready: bool = False) -> None:
+        """Records where a round's candidates came from, how many were sent, and whether they were a block drafted
+        inside the last verification (`ready`)."""
+        self.ready_round_flags.append(bool(ready))
         self.round_sources.append(source if num_candidates or source != "drafter" else "target")
         self.round_candidates.append(int(num_candidates))
         self.drafted_tokens += int(num_candidates)
@@ -154,6 +159,18 @@ class D3DGenerationStats:
         self.successor_hits += int(hit)
 
     @property
+    def acceptance_by_drafting(self) -> dict[str, float]:
+        """Mean tokens committed per drafter round (`tau` of those rounds), by how the drafts were made: `"pass"`
+        (a draft pass) and `"ready"` (a block drafted inside the previous verification); a kind with no round is
+        left out."""
+        lengths: dict[str, list[int]] = {"pass": [], "ready": []}
+        rounds = zip(self.round_sources, self.ready_round_flags, self.acceptance_lengths, strict=False)
+        for source, ready, length in rounds:
+            if source == "drafter":
+                lengths["ready" if ready else "pass"].append(length)
+        return {kind: sum(v) / len(v) for kind, v in lengths.items() if v}
+
+    @property
     def tokens_by_source(self) -> dict[str, int]:
         """Committed tokens (accepted candidates plus the bonus token) by the source of their round's candidates."""
         counts = Counter()
@@ -171,6 +188,7 @@ class D3DGenerationStats:
             "hit_rate": self.hit_rate,
             "tokens_by_source": self.tokens_by_source,
             "successor_hit_rates": self.successor_hit_rates,
+            "acceptance_by_drafting": self.acceptance_by_drafting,
         }
 
 

@@ -193,6 +193,7 @@ def test_bench_reports_fused_successor_drafting():
     assert fused["verifications_with_blocks"] > 0 and 0 < fused["hit_rate"] <= 1
     assert fused["ready_rounds"] > 0 and fused["block_rows_per_verification"] > 0
     assert sum(fused["verifications_by_blocks"].values()) == fused["verifications_with_blocks"]
+    assert set(fused["drafter_round_tau"]) == {"pass", "ready"} and min(fused["drafter_round_tau"].values()) >= 1
     assert "successor" not in result["summary"]["d3d-no-fused"] and "successor" not in result["summary"]["d3d"]
     assert {result["summary"][m]["lossless_match"] for m in ("d3d", "d3d-fused", "d3d-no-fused")} == {1.0}
     table = format_round_plans(result["summary"])

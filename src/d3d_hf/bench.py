@@ -91,6 +91,7 @@ class RoundStats:
             (`D3DGenerationStats`): per verification, the drafter blocks it computed, their masks each, and whether
             the accepted path ended at one; empty without it.
         ready_rounds (`int`): rounds whose drafts were such a block (no draft pass).
+        ready_round_flags (`list[bool]`): per round, whether it was one of those.
     """
 
     rounds: int
@@ -106,6 +107,7 @@ class RoundStats:
     successor_masks: list[int] = field(default_factory=list)
     successor_hit_flags: list[bool] = field(default_factory=list)
     ready_rounds: int = 0
+    ready_round_flags: list[bool] = field(default_factory=list)
 
 
 class RoundRecorder:
@@ -234,6 +236,7 @@ def d3d_round_stats(stats) -> RoundStats:
         successor_blocks=list(getattr(stats, "successor_blocks", [])),
         successor_masks=list(getattr(stats, "successor_masks", [])),
         successor_hit_flags=list(getattr(stats, "successor_hit_flags", [])),
+        ready_round_flags=list(getattr(stats, "ready_round_flags", [])),
         ready_rounds=int(getattr(stats, "ready_rounds", 0)),
     )
 
@@ -489,7 +492,7 @@ class PromptRun:
         hits (`int`, *optional*): pre-drafted rounds (methods with a hit rate), else `None`.
         packed_rounds (`int`, *optional*): rounds that followed a packed pass (the hit rate's denominator).
         round_sources, round_candidates, successor_blocks, successor_masks, successor_hit_flags (`list`),
-        ready_rounds (`int`): as in `RoundStats`.
+        ready_rounds (`int`), ready_round_flags (`list[bool]`): as in `RoundStats`.
         sequences (`list[list[int]]`, *optional*): a batch run's generated ids per sequence (`output_ids` is then
             their concatenation); `None` for one prompt.
     """
@@ -513,6 +516,7 @@ class PromptRun:
     successor_masks: list[int] = field(default_factory=list)
     successor_hit_flags: list[bool] = field(default_factory=list)
     ready_rounds: int = 0
+    ready_round_flags: list[bool] = field(default_factory=list)
     sequences: list[list[int]] | None = None
 
     @property
@@ -606,6 +610,12 @@ def _round_plan_summary(runs: Sequence[PromptRun]) -> dict[str, Any]:
             "verifications_by_blocks": {str(n): verifications[n] for n in sorted(verifications)},
             "ready_rounds": sum(r.ready_rounds for r in runs),
         }
+        lengths: dict[str, list[int]] = {"pass": [], "ready": []}
+        for r in runs:
+            for source, ready, length in zip(r.round_sources, r.ready_round_flags, r.acceptance_lengths, strict=False):
+                if source == "drafter":
+                    lengths["ready" if ready else "pass"].append(length)
+        out["successor"]["drafter_round_tau"] = {k: sum(v) / len(v) for k, v in lengths.items() if v}
     return out
 
 
@@ -636,16 +646,18 @@ def format_round_plans(summary: dict[str, dict[str, Any]]) -> str:
             "Fused successor drafting (blocks drafted inside verifications; a hit: the accepted path ended at one):",
             "",
             "| method | verifications with blocks | block rows each | hit rate | hit rate by blocks (blocks: rate, "
-            "verifications) | rounds drafted by a hit (no pass) |",
-            "|---|---|---|---|---|---|",
+            "verifications) | rounds drafted by a hit (no pass) | tau of drafter rounds: after a pass / ready |",
+            "|---|---|---|---|---|---|---|",
         ]
         for method, f in fused:
-            counts = f["verifications_by_blocks"]
+            counts, taus = f["verifications_by_blocks"], f.get("drafter_round_tau", {})
             rates = f["hit_rate_by_blocks"].items()
             by_blocks = ", ".join(f"{n}: {100 * rate:.0f}% ({counts[n]})" for n, rate in rates)
             lines.append(
                 f"| `{method}` | {f['verifications_with_blocks']} | {f['block_rows_per_verification']:.1f} "
-                f"| {100 * f['hit_rate']:.0f}% | {by_blocks} | {f['ready_rounds']} |"
+                f"| {100 * f['hit_rate']:.0f}% | {by_blocks} | {f['ready_rounds']} | "
+                + " / ".join(f"{taus[k]:.2f}" if k in taus else "-" for k in ("pass", "ready"))
+                + " |"
             )
     return "\n".join(lines)
 
@@ -815,6 +827,7 @@ def run_benchmark(
                 successor_blocks=list(stats.successor_blocks),
                 successor_masks=list(stats.successor_masks),
                 successor_hit_flags=list(stats.successor_hit_flags),
+                ready_round_flags=list(stats.ready_round_flags),
                 ready_rounds=stats.ready_rounds,
             )
             runs[m].append(run)
@@ -866,6 +879,7 @@ def _combine(stats: Sequence[RoundStats]) -> RoundStats:
         successor_blocks=[x for s in stats for x in s.successor_blocks],
         successor_masks=[x for s in stats for x in s.successor_masks],
         successor_hit_flags=[x for s in stats for x in s.successor_hit_flags],
+        ready_round_flags=[x for s in stats for x in s.ready_round_flags],
         ready_rounds=sum(s.ready_rounds for s in stats),
     )
 
@@ -958,6 +972,7 @@ def _run_batches(
                 successor_blocks=list(rounds.successor_blocks),
                 successor_masks=list(rounds.successor_masks),
                 successor_hit_flags=list(rounds.successor_hit_flags),
+                ready_round_flags=list(rounds.ready_round_flags),
                 ready_rounds=rounds.ready_rounds,
                 sequences=sequences,
             )
