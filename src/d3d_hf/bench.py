@@ -59,7 +59,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -815,20 +815,8 @@ def run_benchmark(
                 rounds=stats.rounds,
                 tau=len(new_ids) / stats.rounds if stats.rounds else 0.0,
                 matches_target=new_ids == reference_ids,
-                draft_seconds=stats.draft_seconds,
-                verify_seconds=stats.verify_seconds,
                 output_ids=new_ids,
-                acceptance_lengths=list(stats.acceptance_lengths),
-                drafted_tokens=stats.drafted_tokens,
-                hits=stats.hits,
-                packed_rounds=stats.packed_rounds,
-                round_sources=list(stats.round_sources),
-                round_candidates=list(stats.round_candidates),
-                successor_blocks=list(stats.successor_blocks),
-                successor_masks=list(stats.successor_masks),
-                successor_hit_flags=list(stats.successor_hit_flags),
-                ready_round_flags=list(stats.ready_round_flags),
-                ready_rounds=stats.ready_rounds,
+                **_round_fields(stats),
             )
             runs[m].append(run)
             per_method[m] = run
@@ -862,26 +850,27 @@ def _generated(row: torch.Tensor, eos_ids: set[int]) -> list[int]:
     return tokens[: ends[0] + 1] if ends else tokens
 
 
+def _round_fields(stats: RoundStats) -> dict[str, Any]:
+    """A `RoundStats`'s fields but `rounds`, lists copied: what a `PromptRun` takes from it."""
+    return {
+        f.name: list(getattr(stats, f.name)) if isinstance(getattr(stats, f.name), list) else getattr(stats, f.name)
+        for f in fields(RoundStats)
+        if f.name != "rounds"
+    }
+
+
 def _combine(stats: Sequence[RoundStats]) -> RoundStats:
-    """One `RoundStats` of several calls (a batch's prompts run one at a time)."""
-    hits = [s.hits for s in stats if s.hits is not None]
-    packed = [s.packed_rounds for s in stats if s.packed_rounds is not None]
-    return RoundStats(
-        rounds=sum(s.rounds for s in stats),
-        draft_seconds=sum(s.draft_seconds for s in stats),
-        verify_seconds=sum(s.verify_seconds for s in stats),
-        acceptance_lengths=[n for s in stats for n in s.acceptance_lengths],
-        drafted_tokens=sum(s.drafted_tokens for s in stats),
-        hits=sum(hits) if hits else None,
-        packed_rounds=sum(packed) if packed else None,
-        round_sources=[x for s in stats for x in s.round_sources],
-        round_candidates=[x for s in stats for x in s.round_candidates],
-        successor_blocks=[x for s in stats for x in s.successor_blocks],
-        successor_masks=[x for s in stats for x in s.successor_masks],
-        successor_hit_flags=[x for s in stats for x in s.successor_hit_flags],
-        ready_round_flags=[x for s in stats for x in s.ready_round_flags],
-        ready_rounds=sum(s.ready_rounds for s in stats),
-    )
+    """One `RoundStats` of several calls (a batch's prompts run one at a time): lists concatenated, counts and
+    seconds summed (`hits`/`packed_rounds` over the calls that have them, `None` when none has)."""
+    combined = {}
+    for f in fields(RoundStats):
+        values = [getattr(s, f.name) for s in stats]
+        if values and isinstance(values[0], list):
+            combined[f.name] = [x for v in values for x in v]
+        else:
+            present = [v for v in values if v is not None]
+            combined[f.name] = sum(present) if present else None
+    return RoundStats(**combined)
 
 
 def _run_batches(
@@ -960,20 +949,8 @@ def _run_batches(
                 rounds=rounds.rounds,
                 tau=new_tokens / rounds.rounds if rounds.rounds else 0.0,
                 matches_target=sequences == reference,
-                draft_seconds=rounds.draft_seconds,
-                verify_seconds=rounds.verify_seconds,
                 output_ids=[t for s in sequences for t in s],
-                acceptance_lengths=list(rounds.acceptance_lengths),
-                drafted_tokens=rounds.drafted_tokens,
-                hits=rounds.hits,
-                packed_rounds=rounds.packed_rounds,
-                round_sources=list(rounds.round_sources),
-                round_candidates=list(rounds.round_candidates),
-                successor_blocks=list(rounds.successor_blocks),
-                successor_masks=list(rounds.successor_masks),
-                successor_hit_flags=list(rounds.successor_hit_flags),
-                ready_round_flags=list(rounds.ready_round_flags),
-                ready_rounds=rounds.ready_rounds,
+                **_round_fields(rounds),
                 sequences=sequences,
             )
             runs[m].append(run)
