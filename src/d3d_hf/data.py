@@ -218,7 +218,9 @@ def _prepare_output(output_dir: Path, settings: dict, resume: bool, overwrite: b
 
 
 def _prompt_counts(prompts: Sequence[Prompt]) -> dict:
-    counts = Counter(p.id.split("/", 1)[0] if p.id.startswith("stdlib/") else "file" for p in prompts)
+    """Prompts by source (`stdlib`, `math`, `chat`, or `file` for JSONL prompts), and the stdlib ones by kind."""
+    named = ("stdlib/", "math/", "chat/")
+    counts = Counter(p.id.split("/", 1)[0] if p.id.startswith(named) else "file" for p in prompts)
     kinds = Counter(p.id.rsplit("/", 1)[1] for p in prompts if p.id.startswith("stdlib/"))
     out = dict(sorted(counts.items()))
     if kinds:
