@@ -21,8 +21,8 @@ from .benchmarks import _round_robin as _round_robin
 from .prompt import Prompt, encode_prompt
 from .prompt import _to_id_list as _to_id_list
 from .sources import EVALUATION_SETS, evaluation_texts, load_prompt_sources, refuse_evaluation_rows
-from .synthetic import SYNTHETIC_SOURCES, chat_instructions, math_word_problems
 from .stdlib import MAX_SOURCE_CHARS, STDLIB_KINDS, STDLIB_LICENSE, stdlib_prompts, stdlib_source_info
+from .synthetic import SYNTHETIC_SOURCES, chat_instructions, math_word_problems
 
 __all__ = [
     "EVALUATION_SETS",

@@ -209,6 +209,8 @@ def _extraction(r: random.Random) -> str:
 def _round_robin(makers: list[Callable[[random.Random], str]], limit: int, seed: int, prefix: str) -> list[Prompt]:
     """`limit` prompts, the makers taken in turn, each prompt from its own seeded `random.Random`. A draw whose text
     was drawn before is redrawn; a maker that gives 200 repeats in a row has run out and leaves the rotation."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be a positive integer, got {limit!r}.")
     prompts, seen = [], set()
     rng = random.Random(seed)
     active = list(makers)
@@ -232,11 +234,6 @@ def _round_robin(makers: list[Callable[[random.Random], str]], limit: int, seed:
     return prompts
 
 
-def _check_limit(limit) -> None:
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ValueError(f"limit must be a positive integer, got {limit!r}.")
-
-
 def math_word_problems(limit: int = 400, seed: int = 0) -> list[Prompt]:
     """Grade-school math word problems from this module's templates (one to four arithmetic steps each).
 
@@ -255,7 +252,6 @@ def math_word_problems(limit: int = 400, seed: int = 0) -> list[Prompt]:
     Raises:
         ValueError: ``limit`` is not a positive integer, or that many distinct problems could not be drawn.
     """
-    _check_limit(limit)
     return _round_robin(list(_MATH_KINDS), limit, seed, "math")
 
 
@@ -275,7 +271,6 @@ def chat_instructions(limit: int = 400, seed: int = 0) -> list[Prompt]:
     Raises:
         ValueError: ``limit`` is not a positive integer, or that many distinct requests could not be drawn.
     """
-    _check_limit(limit)
 
     def template(text: str) -> Callable[[random.Random], str]:
         def make(r: random.Random) -> str:
