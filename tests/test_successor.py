@@ -207,7 +207,7 @@ def test_fixed_plan_with_fused_drafting_drafts_every_block_in_the_verification(s
     assert stats.round_sources.count("drafter") >= stats.rounds - 2
     assert len(stats.ready_round_flags) == stats.rounds and sum(stats.ready_round_flags) == stats.ready_rounds
     assert set(stats.acceptance_by_drafting) == {"pass", "ready"}  # the first round ran a pass
-    ready_lengths = [n for n, r in zip(stats.acceptance_lengths, stats.ready_round_flags) if r]
+    ready_lengths = [n for n, r in zip(stats.acceptance_lengths, stats.ready_round_flags, strict=True) if r]
     assert stats.acceptance_by_drafting["ready"] == pytest.approx(sum(ready_lengths) / len(ready_lengths))
     assert _greedy(target, prompt, drafter, d3d_num_drafts=3) == expected
     assert drafter.last_generation_stats.ready_rounds == 0  # 'auto' keeps a fixed plan's draft pass per round (and CPU)

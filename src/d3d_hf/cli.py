@@ -233,7 +233,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prompts",
         default="stdlib",
-        help="comma-separated sources: stdlib[:N], math[:N], chat[:N], JSONL file[:N] (never an evaluation set: humaneval, gsm8k, ...)",
+        help="comma-separated sources: stdlib[:N], math[:N], chat[:N], JSONL file[:N] "
+        "(never an evaluation set: humaneval, gsm8k, ...)",
     )
     p.add_argument("--output", required=True, help="folder for shards, settings and the dataset (resumed if re-run)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=192)
