@@ -26,8 +26,10 @@ with its terms summed over the sequences: expected committed tokens of the batch
 curve read at the batch's total rows `batch x R` and the draft curve at `batch x (pending + m)`; after the pass, one
 number `k` of drafts for every drafting sequence, by the same rule on the drafts' calibrated confidences. A fixed
 `d3d_num_drafts=k` drafts `k` masks for every sequence each round. A drafter that reads the target's cache drafts
-nothing in the prefill round (its pass would compute the prompts' keys and values a second time). Timings of batched
-forwards are not learned into the cost curves (they are curves of one sequence); acceptance is learned per sequence.
+nothing in the prefill round (its pass would compute the prompts' keys and values a second time). A batched forward
+costs more than one sequence's curve says at the same total rows (measured: `benchmarks/batched_rows_cost.py`), so
+the plan reads the curves scaled by `estimates_d3d.BatchedCosts`, the ratios learned from this process's batched
+rounds per batch size and rows per sequence (`batched_costs`); acceptance is learned per sequence.
 Exploration is the warm-up only (a drafter round while the calibrator has seen none), not the periodic rounds of
 `DraftPolicy.decide`.
 
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import copy
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -58,10 +61,10 @@ from transformers.generation.logits_process import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .drafting_d3d import D3DCache
-from .estimates_d3d import _MIN_SECONDS, expected_tokens
+from .estimates_d3d import _MIN_SECONDS, BatchedCosts, expected_tokens
 from .fast_paths_d3d import GQA_SDPA
-from .options_d3d import D3DGenerationOptions
-from .sampling_d3d import GumbelNoise, _mix
+from .options_d3d import D3DGenerationOptions, check_batch_options
+from .sampling_d3d import ShiftedNoise, sequence_noise
 
 try:  # the chain rule of transformers' own loop, for `d3d_sampling="speculative"`
     from transformers.generation.utils import _speculative_sampling
@@ -74,50 +77,21 @@ _KNOWN_MODEL_KWARGS = frozenset(
 )
 #: rates within this fraction of the best count as ties, which go to the cheaper plan (as `DraftPolicy`)
 _TIE_TOLERANCE = 0.02
+#: what batched forwards cost, learned per policy for the process (as the policy itself lives: `policy_for`)
+_BATCHED_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def batched_costs(policy) -> BatchedCosts:
+    """The `BatchedCosts` the batched rounds of `policy` (a `DraftPolicy`) read and learn, one per policy."""
+    costs = _BATCHED_COSTS.get(policy)
+    if costs is None:
+        costs = _BATCHED_COSTS[policy] = BatchedCosts(policy.curve_weight)
+    return costs
 
 
 def needs_batched_loop(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
     """Whether a D3D call decodes in the batched loop: more than one sequence, or a padded `attention_mask`."""
     return input_ids.shape[0] > 1 or (attention_mask is not None and not bool(attention_mask.bool().all()))
-
-
-def check_batch_options(options: D3DGenerationOptions, batch_size: int, padded: bool = False) -> None:
-    """Refuses, before any forward pass, the options that the batched loop cannot run.
-
-    Args:
-        options (`D3DGenerationOptions`): the call's options.
-        batch_size (`int`): sequences in the call.
-        padded (`bool`, defaults to `False`): whether the prompts are padded (the batched loop runs them even for
-            one sequence).
-
-    Raises:
-        ValueError: for a batch (or padded prompts) with a tree (`d3d_tree_budget`), `d3d_async=True`,
-            `d3d_fused_drafting=True` or `d3d_decoding_loop="transformers"`, naming what to change.
-    """
-    if batch_size <= 1 and not padded:
-        return
-    what = f"a batch of {batch_size} prompts" if batch_size > 1 else "a padded prompt"
-    if options.tree_budget is not None:
-        raise ValueError(
-            f"Tree verification (`d3d_tree_budget={options.tree_budget!r}`) decodes one sequence at a time, and this "
-            f"call has {what}. Set `d3d_tree_budget=None` (batched chain rounds), or call `generate` once per "
-            "unpadded prompt to verify trees."
-        )
-    if options.asynchronous is True:
-        raise ValueError(
-            f"Asynchronous drafting (`d3d_async=True`) decodes one sequence at a time, and this call has {what}. "
-            "Drop `d3d_async=True` (batched rounds draft synchronously), or call `generate` once per unpadded prompt."
-        )
-    if options.fused_drafting is True:
-        raise ValueError(
-            f"Fused successor drafting (`d3d_fused_drafting=True`) decodes one sequence at a time, and this call has "
-            f"{what}. Drop the option (a batch drafts with one pass per round), or call `generate` once per prompt."
-        )
-    if options.decoding_loop == "transformers":
-        raise ValueError(
-            f"transformers' assisted-generation loop decodes one sequence at a time, and this call has {what}. Drop "
-            "`d3d_decoding_loop='transformers'` (D3D's own loop decodes batches), or call `generate` once per prompt."
-        )
 
 
 def _refuse_call(target, generation_config, synced_gpus: bool, streamer, model_kwargs: dict[str, Any]) -> None:
@@ -278,28 +252,6 @@ def sequence_processors(logits_processor, index: int) -> LogitsProcessorList:
     return rows
 
 
-class _ShiftedNoise:
-    """One sequence's Gumbel noise, read at positions of its padded row (`position - offset` is the token's index
-    in the unpadded sequence)."""
-
-    def __init__(self, noise: GumbelNoise, offset: int) -> None:
-        self.noise, self.offset = noise, offset
-
-    def choose(self, scores: torch.Tensor, positions) -> torch.LongTensor:
-        return self.noise.choose(scores, [int(p) - self.offset for p in positions])
-
-    def forget_before(self, position: int) -> None:
-        self.noise.forget_before(position - self.offset)
-
-
-def sequence_noise(call_noise: GumbelNoise, index: int) -> GumbelNoise:
-    """The noise of sequence `index` of a batch: the call's own for sequence 0, else keyed by a SplitMix64 mix of the
-    call seed and `index` (module docstring, "Seeds")."""
-    if index == 0:
-        return call_noise
-    return GumbelNoise(_mix(call_noise.seed, (1 << 62) + index), call_noise.vocab_size)
-
-
 class _Plan:
     """One sequence's candidates for a round: `source` (`"target"`, `"drafter"`, `"lookup"`), the draft tokens
     (`(1, 1)` each) with the scores they were chosen from, the drafter's confidences, the lookup n-gram size."""
@@ -325,6 +277,7 @@ class BatchedRounds:
     def __init__(self, generator, target, cache, cache_key: str, prompts: torch.LongTensor, prompt_lengths: list[int]):
         self.generator, self.target, self.cache, self.cache_key = generator, target, cache, cache_key
         self.keeps_logits = target._supports_logits_to_keep() if hasattr(target, "_supports_logits_to_keep") else False
+        self.prefill = True  # the round being verified is the prefill (`verify`)
         self.warm_up = False  # this round is the adaptive engine's first look at the drafter (sends every draft)
         self.draft_seconds = None
         self.drafter = generator.drafter
@@ -339,7 +292,7 @@ class BatchedRounds:
         self.draft_slots = None if self.shared else RaggedSlots(batch, generator.passes.device)
         call_noise = generator.proposer.noise
         self.noise = [
-            None if call_noise is None else _ShiftedNoise(sequence_noise(call_noise, a), self.offsets[a])
+            None if call_noise is None else ShiftedNoise(sequence_noise(call_noise, a), self.offsets[a])
             for a in range(batch)
         ]
         self.processors = [sequence_processors(generator.proposer.logits_processor, a) for a in range(batch)]
@@ -394,20 +347,26 @@ class BatchedRounds:
     def _rate_options(self, limits, lookups) -> list[tuple[float, float, str, int, list[bool]]]:
         """`(rate, seconds, source, count, uses lookup per row)` of every plan of the adaptive engine."""
         policy = self.generator.planner.policy
-        verify, draft = policy.verify_curve, policy.draft_curve
-        batch = len(self.active)
+        costs, batch = batched_costs(policy), len(self.active)
+
+        def verify(rows: int) -> float:
+            return costs.seconds("verify", policy.verify_curve, batch, rows)
+
+        def draft(rows: int) -> float:
+            return costs.seconds("draft", policy.draft_curve, batch, rows)
+
         pending = [self.pending(r) for r in range(batch)]
         q = [policy.lookup.probabilities(len(t), n or None) if t else [] for t, n in lookups]
-        step = max(verify(batch * max(pending)), _MIN_SECONDS)
+        step = max(verify(max(pending)), _MIN_SECONDS)
         options = [(batch / step, step, "target", 0, [False] * batch)]
         longest = max((min(len(t), lim) for (t, _), lim in zip(lookups, limits, strict=True)), default=0)
         for k in range(1, longest + 1):
             counts = [min(len(t), lim, k) for (t, _), lim in zip(lookups, limits, strict=True)]
             tokens = sum(expected_tokens(q[r], counts[r]) for r in range(batch))
-            seconds = max(verify(batch * max(p + c for p, c in zip(pending, counts, strict=True))), _MIN_SECONDS)
+            seconds = max(verify(max(p + c for p, c in zip(pending, counts, strict=True))), _MIN_SECONDS)
             options.append((tokens / seconds, seconds, "lookup", k, [c > 0 for c in counts]))
         most = max(limits)
-        if draft is not None and most >= 1:
+        if policy.draft_curve is not None and most >= 1:
             profile = policy.calibrator.position_profile(most)
             draft_pending = max(self.draft_pending(r) for r in range(batch))
             for m in range(1, most + 1):
@@ -419,7 +378,7 @@ class BatchedRounds:
                     use.append(by_lookup > by_drafter)
                     tokens += max(by_drafter, by_lookup)
                     rows = max(rows, pending[r] + count)
-                seconds = max(draft(batch * (draft_pending + m)) + verify(batch * rows), _MIN_SECONDS)
+                seconds = max(draft(draft_pending + m) + verify(rows), _MIN_SECONDS)
                 options.append((tokens / seconds, seconds, "drafter", m, use))
         return options
 
@@ -462,6 +421,7 @@ class BatchedRounds:
         masked = torch.zeros_like(ids, dtype=torch.bool)
         masked[:, width:] = True
         allowed, positions, _ = slots.inputs([p + masks for p in pending], width + masks, tail=masks)
+        trials = passes.layout_trials()
         start = time.perf_counter()
         with torch.no_grad():
             logits = self.drafter(
@@ -475,6 +435,7 @@ class BatchedRounds:
             ).logits.float()
         seconds = time.perf_counter() - start
         self.draft_seconds = seconds
+        self._learn("draft", width + masks, seconds if passes.layout_trials() == trials else None)
         if not self.shared:
             cache.crop(slots.num_slots + width)
             slots.append(pending, width, pending)
@@ -505,13 +466,27 @@ class BatchedRounds:
                 count = min(k, len(p.drafts)) if p.source == "drafter" else len(p.drafts)  # lookup: sent as is
                 tokens += expected_tokens(probabilities[r], count)
                 rows = max(rows, pending[r] + count)
-            seconds = max(draft_seconds + policy.verify_curve(batch * rows), _MIN_SECONDS)
+            verify = batched_costs(policy).seconds("verify", policy.verify_curve, batch, rows)
+            seconds = max(draft_seconds + verify, _MIN_SECONDS)
             options.append((tokens / seconds, seconds, k))
         best = max(o[0] for o in options)
         k = min((o for o in options if o[0] >= best * (1 - _TIE_TOLERANCE)), key=lambda o: (o[1], -o[0]))[2]
         for p in plans:
             if p.source == "drafter":
                 p.drafts, p.scores = p.drafts[:k], p.scores[:k]
+
+    def _learn(self, kind: str, rows: int, seconds: float | None) -> None:
+        """Learns a batched forward's time into `batched_costs` (adaptive policies; `None`: not learned)."""
+        policy = self.generator.planner.policy
+        curve = policy.verify_curve if kind == "verify" else policy.draft_curve
+        if seconds is not None and curve is not None and self.generator.planner.mode == "adaptive":
+            batched_costs(policy).observe(kind, curve, len(self.active), rows, seconds)
+
+    def learn_verify(self, seconds: float) -> None:
+        """Learns the round's verification (the target's forward and the acceptance of every sequence, `seconds`)
+        unless it was the prefill or `MatmulLayouts` timed candidates during it."""
+        if not self.prefill:
+            self._learn("verify", self.width, self.generator.passes.learned_verify_seconds(seconds))
 
     # -- verification -----------------------------------------------------------------------------------------------
 
@@ -521,6 +496,8 @@ class BatchedRounds:
         committed tokens."""
         batch = len(self.active)
         device = self.target.device
+        self.prefill = self.slots.num_slots == 0
+        self.generator.passes.verification_starts()
         pending = [self.pending(r) for r in range(batch)]
         counts = [p + len(plan.drafts) for p, plan in zip(pending, plans, strict=True)]
         width = max(counts)
@@ -755,6 +732,7 @@ def batched_assisted_decoding(
             stats.acceptance_lengths.append(committed)
             stats.draft_seconds.append(drafted - start)
             stats.verify_seconds.append(time.perf_counter() - drafted)
+            rounds.learn_verify(stats.verify_seconds[-1])
             rounds.leave(finished)
         generator.planner.save_if_ends(lambda: True)
     longest = max(row.shape[1] for row in rounds.rows)
@@ -789,7 +767,5 @@ __all__ = [
     "BatchedRounds",
     "RaggedSlots",
     "batched_assisted_decoding",
-    "check_batch_options",
     "needs_batched_loop",
-    "sequence_noise",
 ]

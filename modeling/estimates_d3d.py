@@ -198,6 +198,111 @@ class CostCurve:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+class BatchedCosts:
+    r"""
+    What forwards over a batch cost, learned from the rounds of batched decoding (`batched_decoding_d3d`).
+
+    The calibrated curves are of one sequence. A forward over `b` sequences of `w` new rows each is not what one
+    sequence's curve says at `b x w` rows: every sequence attends to its own cache (with the holes ragged acceptance
+    leaves), and the round's per-sequence work grows with `b`. So per curve (`"verify"`, `"draft"`) and batch size
+    `b`, the ratio of a measured batched forward to the single-sequence curve at `b x w` is kept as a `CostCurve`
+    over `w` (an exponential moving average per `w`, clamped per update as `CostCurve.observe`; between and beyond
+    the measured `w` as that curve reads). Until a `(curve, b)` pair has been measured, the ratio is 1 (the
+    single-sequence curve at `b x w`). Our design (d3d-hf docs/DESIGN.md section 9, issue 28).
+
+    Args:
+        weight (`float`, defaults to 0.2): weight of a new measurement, in (0, 1] (`DraftPolicy.curve_weight`).
+
+    Example:
+        >>> costs = BatchedCosts()
+        >>> curve = CostCurve({1: 0.030, 4: 0.032, 16: 0.045})
+        >>> costs.seconds("verify", curve, batch=4, rows=1)  # never measured: the curve at 4 rows
+        0.032
+        >>> costs.observe("verify", curve, batch=4, rows=1, seconds=0.048)
+        >>> round(costs.seconds("verify", curve, batch=4, rows=1), 4)
+        0.048
+    """
+
+    KINDS = ("verify", "draft")
+    #: The learned ratio is read within these bounds (a stray measurement never makes a plan free or unaffordable).
+    RATIO_BOUNDS = (0.125, 8.0)
+
+    def __init__(self, weight: float = 0.2) -> None:
+        weight = float(weight)
+        if not 0 < weight <= 1:
+            raise ValueError(f"`weight` must be in (0, 1], got {weight!r}.")
+        self.weight = weight
+        self._ratios: dict[tuple[str, int], CostCurve] = {}
+
+    def _key(self, kind: str, batch: int, rows: int) -> tuple[str, int]:
+        if kind not in self.KINDS:
+            raise ValueError(f"`kind` must be one of {self.KINDS}, got {kind!r}.")
+        if not _is_int(batch) or batch < 1 or not _is_int(rows) or rows < 1:
+            raise ValueError(f"`batch` and `rows` must be ints >= 1, got {batch!r} and {rows!r}.")
+        return kind, batch
+
+    def ratio(self, kind: str, batch: int, rows: int) -> float:
+        """The learned ratio of a batched forward to the single-sequence curve at `batch x rows` (1.0 unmeasured)."""
+        curve = self._ratios.get(self._key(kind, batch, rows))
+        low, high = self.RATIO_BOUNDS
+        return 1.0 if curve is None else min(max(curve(rows), low), high)
+
+    def seconds(self, kind: str, curve: CostCurve, batch: int, rows: int) -> float:
+        """Seconds of a forward over `batch` sequences of `rows` new rows each.
+
+        Args:
+            kind (`str`): `"verify"` (the target's forward) or `"draft"` (the drafter's pass).
+            curve (`CostCurve`): the single-sequence curve of that forward.
+            batch (`int`), rows (`int`): sequences and new rows per sequence (padded width), >= 1 each.
+
+        Returns:
+            `float`: `curve(batch * rows) * ratio(kind, batch, rows)`.
+
+        Raises:
+            ValueError: for an unknown `kind` or a `batch` or `rows` below 1.
+        """
+        return curve(batch * rows) * self.ratio(kind, batch, rows)
+
+    def observe(self, kind: str, curve: CostCurve, batch: int, rows: int, seconds: float) -> None:
+        """Learns one measured batched forward (`seconds`, wall time) of `batch` sequences of `rows` rows each.
+
+        Raises:
+            ValueError: as `seconds`, and for a negative or non-finite `seconds`.
+        """
+        key = self._key(kind, batch, rows)
+        seconds = _check_seconds(seconds, "`seconds`")
+        base = curve(batch * rows)
+        if base <= 0:
+            return
+        ratios = self._ratios.get(key)
+        if ratios is None:
+            self._ratios[key] = CostCurve({rows: seconds / base})
+        else:
+            ratios.observe(rows, seconds / base, self.weight)
+
+    def to_dict(self) -> dict[str, dict[int, dict[int, float]]]:
+        """The learned ratios, `{kind: {batch: {rows: ratio}}}`."""
+        out: dict[str, dict[int, dict[int, float]]] = {}
+        for (kind, batch), curve in sorted(self._ratios.items()):
+            out.setdefault(kind, {})[batch] = curve.points
+        return out
+
+    @classmethod
+    def from_dict(cls, ratios: Mapping[str, Mapping[int, Mapping[int, float]]], weight: float = 0.2) -> BatchedCosts:
+        """Costs with the ratios `{kind: {batch: {rows: ratio}}}` (as `to_dict` gives them).
+
+        Raises:
+            ValueError: for an unknown kind, a batch or rows below 1, or a ratio that is negative or not finite.
+        """
+        costs = cls(weight)
+        for kind, by_batch in ratios.items():
+            for batch, points in by_batch.items():
+                for rows in points:
+                    costs._key(kind, int(batch), int(rows))
+                costs._ratios[kind, int(batch)] = CostCurve({int(rows): ratio for rows, ratio in points.items()})
+        return costs
+
+
 def expected_tokens(probabilities: Sequence[float] | torch.Tensor, k: int) -> float:
     r"""
     Committed tokens expected from a round that sends the first `k` drafts:
@@ -605,4 +710,4 @@ class LookupAcceptance:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-__all__ = ["AcceptanceCalibrator", "CostCurve", "LookupAcceptance", "expected_tokens"]
+__all__ = ["AcceptanceCalibrator", "BatchedCosts", "CostCurve", "LookupAcceptance", "expected_tokens"]

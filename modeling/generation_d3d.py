@@ -18,9 +18,8 @@ from transformers import PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .async_rounds_d3d import PackedSuccessorDrafting
-from .batched_decoding_d3d import check_batch_options
 from .hooks_d3d import check_prompt_and_drafter
-from .options_d3d import D3DGenerationOptions
+from .options_d3d import D3DGenerationOptions, check_batch_options
 from .planner_d3d import DraftPasses, RoundPlanner, target_forward_context
 from .proposer_d3d import DraftProposer
 from .runtime_d3d import RoundClock

@@ -550,10 +550,50 @@ def options_markdown_table(internal: bool = False) -> str:
     return "\n".join(lines)
 
 
+def check_batch_options(options: D3DGenerationOptions, batch_size: int, padded: bool = False) -> None:
+    """Refuses, before any forward pass, the options that the batched loop cannot run.
+
+    Args:
+        options (`D3DGenerationOptions`): the call's options.
+        batch_size (`int`): sequences in the call.
+        padded (`bool`, defaults to `False`): whether the prompts are padded (the batched loop runs them even for
+            one sequence).
+
+    Raises:
+        ValueError: for a batch (or padded prompts) with a tree (`d3d_tree_budget`), `d3d_async=True`,
+            `d3d_fused_drafting=True` or `d3d_decoding_loop="transformers"`, naming what to change.
+    """
+    if batch_size <= 1 and not padded:
+        return
+    what = f"a batch of {batch_size} prompts" if batch_size > 1 else "a padded prompt"
+    if options.tree_budget is not None:
+        raise ValueError(
+            f"Tree verification (`d3d_tree_budget={options.tree_budget!r}`) decodes one sequence at a time, and this "
+            f"call has {what}. Set `d3d_tree_budget=None` (batched chain rounds), or call `generate` once per "
+            "unpadded prompt to verify trees."
+        )
+    if options.asynchronous is True:
+        raise ValueError(
+            f"Asynchronous drafting (`d3d_async=True`) decodes one sequence at a time, and this call has {what}. "
+            "Drop `d3d_async=True` (batched rounds draft synchronously), or call `generate` once per unpadded prompt."
+        )
+    if options.fused_drafting is True:
+        raise ValueError(
+            f"Fused successor drafting (`d3d_fused_drafting=True`) decodes one sequence at a time, and this call has "
+            f"{what}. Drop the option (a batch drafts with one pass per round), or call `generate` once per prompt."
+        )
+    if options.decoding_loop == "transformers":
+        raise ValueError(
+            f"transformers' assisted-generation loop decodes one sequence at a time, and this call has {what}. Drop "
+            "`d3d_decoding_loop='transformers'` (D3D's own loop decodes batches), or call `generate` once per prompt."
+        )
+
+
 __all__ = [
     "ASSISTED_GENERATION_OPTIONS",
     "D3DGenerationOptions",
     "assisted_generation_options",
+    "check_batch_options",
     "check_option_names",
     "nearest_option",
     "options_markdown_table",

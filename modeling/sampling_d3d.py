@@ -106,4 +106,26 @@ class GumbelNoise:
                 del self._rows[old]
 
 
-__all__ = ["GumbelNoise"]
+class ShiftedNoise:
+    """One sequence's Gumbel noise, read at positions of its padded row (`position - offset` is the token's index
+    in the unpadded sequence)."""
+
+    def __init__(self, noise: GumbelNoise, offset: int) -> None:
+        self.noise, self.offset = noise, offset
+
+    def choose(self, scores: torch.Tensor, positions) -> torch.LongTensor:
+        return self.noise.choose(scores, [int(p) - self.offset for p in positions])
+
+    def forget_before(self, position: int) -> None:
+        self.noise.forget_before(position - self.offset)
+
+
+def sequence_noise(call_noise: GumbelNoise, index: int) -> GumbelNoise:
+    """The noise of sequence `index` of a batch: the call's own for sequence 0, else keyed by a SplitMix64 mix of the
+    call seed and `index` (`batched_decoding_d3d`'s docstring, "Seeds")."""
+    if index == 0:
+        return call_noise
+    return GumbelNoise(_mix(call_noise.seed, (1 << 62) + index), call_noise.vocab_size)
+
+
+__all__ = ["GumbelNoise", "ShiftedNoise", "sequence_noise"]

@@ -443,6 +443,57 @@ def test_the_batch_plan_reads_the_curves_at_the_batch_rows(tiny, verify_ms, expe
         assert max(stats.round_candidates) == 3 * len(prompts)
 
 
+def _own_policy(drafter, verify_ms: dict, draft_ms: dict):
+    from d3d_hf.modeling.estimates_d3d import CostCurve
+    from d3d_hf.modeling.policy_d3d import DraftPolicy
+
+    drafter.draft_policy = DraftPolicy(
+        verify_curve=CostCurve({q: ms / 1e3 for q, ms in verify_ms.items()}),
+        draft_curve=CostCurve({q: ms / 1e3 for q, ms in draft_ms.items()}),
+        max_drafts=3,
+    )
+    return drafter.draft_policy
+
+
+def test_the_batch_plan_reads_learned_batched_costs(tiny, monkeypatch):
+    """Single-sequence curves that make drafting pay at the batch's rows, but batched verification learned 8x dearer
+    beyond one row per sequence: every round after the warm-up is a plain step (learning held still)."""
+    from d3d_hf.modeling.estimates_d3d import BatchedCosts
+
+    target, _, _, prompts = tiny
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    policy = _own_policy(drafter, {1: 10.0, 64: 10.0}, {1: 0.1, 64: 0.1})
+    assert batched_decoding_d3d.batched_costs(policy) is batched_decoding_d3d.batched_costs(policy)  # one per policy
+    dear = {b: {1: 1.0, 2: 8.0, 16: 8.0} for b in range(1, len(prompts) + 1)}
+    costs = BatchedCosts.from_dict({"verify": dear})
+    monkeypatch.setattr(batched_decoding_d3d, "batched_costs", lambda _: costs)
+    monkeypatch.setattr(BatchedCosts, "observe", lambda *args, **kwargs: None)
+    ids, mask = left_pad(prompts)
+    kw = dict(do_sample=False, max_new_tokens=16, pad_token_id=0, eos_token_id=None)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, d3d_prompt_lookup=False, **kw)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, **kw))
+    later = drafter.last_generation_stats.round_sources[1:]
+    assert later and all(source == "target" for source in later), later
+
+
+def test_batched_rounds_learn_their_costs(tiny):
+    """An adaptive batched call learns the ratio of its verifications (per batch size and width, the prefill left out)
+    and of its draft passes to the single-sequence curves; a fixed plan learns nothing."""
+    target, _, _, prompts = tiny
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    policy = _own_policy(drafter, {1: 10.0, 64: 10.0}, {1: 0.1, 64: 0.1})
+    ids, mask = left_pad(prompts)
+    kw = dict(do_sample=False, max_new_tokens=12, pad_token_id=0, eos_token_id=None, assistant_model=drafter)
+    target.generate(ids, attention_mask=mask, d3d_num_drafts=3, **kw)
+    assert batched_decoding_d3d.batched_costs(policy).to_dict() == {}
+    target.generate(ids, attention_mask=mask, d3d_prompt_lookup=False, **kw)
+    learned = batched_decoding_d3d.batched_costs(policy).to_dict()
+    assert set(learned) == {"verify", "draft"}
+    assert len(prompts) in learned["verify"] and len(prompts) in learned["draft"]
+    assert max(rows for by_rows in learned["verify"].values() for rows in by_rows) < ids.shape[1]  # no prefill
+    assert all(0 < r for by_rows in learned["verify"].values() for r in by_rows.values())
+
+
 def test_one_padded_prompt_in_transformers_loop_stays_there(tiny):
     """`d3d_decoding_loop="transformers"` (the ablation) keeps running one padded prompt in transformers' loop; a
     batch there is refused with what to change."""

@@ -21,7 +21,13 @@ from d3d_hf.modeling.calibration_d3d import (
     default_cache_dir,
     measure_cost_curves,
 )
-from d3d_hf.modeling.estimates_d3d import AcceptanceCalibrator, CostCurve, LookupAcceptance, expected_tokens
+from d3d_hf.modeling.estimates_d3d import (
+    AcceptanceCalibrator,
+    BatchedCosts,
+    CostCurve,
+    LookupAcceptance,
+    expected_tokens,
+)
 from d3d_hf.modeling.lookup_d3d import lookup_candidates, lookup_match
 from d3d_hf.modeling.policy_d3d import DraftPolicy, RoundDecision
 from transformers.generation import PromptLookupCandidateGenerator
@@ -105,6 +111,33 @@ def test_cost_curve_rejects_bad_queries_and_observations():
             curve.observe(*args)
     with pytest.raises(ValueError):
         CostCurve.from_dict({"rows": []})
+
+
+def test_batched_costs_scale_the_single_sequence_curve_per_batch_and_width():
+    """Unmeasured: the curve at batch x rows. Measured: that times the learned ratio, per curve, batch size and
+    width (between widths as a `CostCurve` reads), bounded; each (curve, batch) learns on its own."""
+    curve = CostCurve({1: 0.010, 4: 0.012, 16: 0.020, 64: 0.060})
+    costs = BatchedCosts(weight=0.5)
+    assert costs.seconds("verify", curve, 4, 1) == pytest.approx(0.012)
+    costs.observe("verify", curve, 4, 1, 0.024)  # first measurement of (verify, 4): taken as is
+    assert costs.seconds("verify", curve, 4, 1) == pytest.approx(0.024)
+    assert costs.seconds("verify", curve, 4, 4) == pytest.approx(2 * 0.020)  # one point: a flat ratio
+    costs.observe("verify", curve, 4, 4, 0.030)  # a new width: clamped to 1.5x the ratio read there (2 -> 3 max)
+    assert costs.ratio("verify", 4, 4) == pytest.approx(0.030 / 0.020)
+    assert costs.ratio("verify", 4, 1) == pytest.approx(2.0)
+    assert costs.ratio("verify", 8, 1) == 1.0 and costs.ratio("draft", 4, 1) == 1.0
+    costs.observe("verify", curve, 4, 1, 0.012)  # EMA with the clamp: 2 -> max(1, 2 / 1.5) -> halfway
+    assert costs.ratio("verify", 4, 1) == pytest.approx(0.5 * 2 + 0.5 * (2 / 1.5))
+    costs.observe("draft", curve, 8, 2, 100.0)
+    assert costs.ratio("draft", 8, 2) == BatchedCosts.RATIO_BOUNDS[1]
+    assert set(costs.to_dict()) == {"verify", "draft"} and set(costs.to_dict()["verify"][4]) == {1, 4}
+    for args in (("prefill", curve, 4, 1), ("verify", curve, 0, 1), ("verify", curve, 4, 0)):
+        with pytest.raises(ValueError):
+            costs.seconds(*args)
+    with pytest.raises(ValueError):
+        costs.observe("verify", curve, 4, 1, -1.0)
+    with pytest.raises(ValueError):
+        BatchedCosts(weight=0.0)
 
 
 # ---- expected_tokens and the calibrator ---------------------------------------------------------------------------
