@@ -35,3 +35,50 @@ def layout_table(choices: dict, rows: tuple[int, ...]) -> list[str]:
         name = f"{shape[0]} x {shape[1]}" + (" + bias" if bias else "")
         lines.append(f"| {name} | " + " | ".join(f"`{c}`" if c else "" for c in cells) + " |")
     return lines
+
+
+def load_target_and_drafter(args: argparse.Namespace):
+    """`(target, drafter, dtype)`: SmolLM2-135M-Instruct and `args.drafter` on the CPU in `args.dtype`, the drafter
+    on the target's weights, torch at `args.threads` threads (the row-cost probes)."""
+    import torch
+
+    from d3d_hf.drafters import load_drafter
+    from d3d_hf.targets import load_target
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    target, _ = load_target("smollm2-135m-instruct", dtype=args.dtype, device="cpu")
+    drafter = load_drafter(args.drafter, dtype=dtype)
+    drafter.attach_target_weights(target)
+    return target, drafter, dtype
+
+
+def median_ms(variants: list, measure, repeats: int, warm_up: int) -> dict:
+    """`{variant: median milliseconds}` of `measure(variant)` (seconds): every variant once per repeat, in an order
+    shuffled per repeat (seeded), the first `warm_up` repeats not kept (matmul layouts are chosen on first sight of a
+    row count)."""
+    import random
+    import statistics
+
+    times = {v: [] for v in variants}
+    rng = random.Random(0)
+    for repeat in range(repeats + warm_up):
+        order = list(variants)
+        rng.shuffle(order)
+        for v in order:
+            seconds = measure(v)
+            if repeat >= warm_up:
+                times[v].append(seconds)
+    return {v: 1e3 * statistics.median(t) for v, t in times.items()}
+
+
+def cache_view(cache, num_layers: int | None = None):
+    """A `D3DCache` over the first `num_layers` layers of a target's `DynamicCache` (its tensors, not copied), as a
+    drafter on the target's cache reads it."""
+    from d3d_hf.modeling.drafting_d3d import D3DCache
+
+    view = D3DCache()
+    for layer in cache.layers[:num_layers]:
+        view.key_cache.append(layer.keys)
+        view.value_cache.append(layer.values)
+    return view

@@ -12,20 +12,14 @@ attention on as in D3D's loop; medians in milliseconds. Run it alone:
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 import time
 
 import torch
-from _common import add_timing_arguments, emit
+from _common import add_timing_arguments, cache_view, emit, load_target_and_drafter, median_ms
 from d3d_hf.modeling.batched_decoding_d3d import RaggedSlots
 from d3d_hf.modeling.calibration_d3d import cpu_model
-from d3d_hf.modeling.drafting_d3d import D3DCache
 from d3d_hf.modeling.fast_paths_d3d import GQA_SDPA, target_gqa_attention
 from transformers import DynamicCache
-
-from d3d_hf.drafters import load_drafter
-from d3d_hf.targets import load_target
 
 BATCHES = (1, 4, 8)
 WIDTHS = (1, 2, 3, 5, 8, 12, 16)
@@ -37,11 +31,7 @@ def main() -> None:
     add_timing_arguments(parser, repeats=9)
     parser.add_argument("--drafter", default="d3d-smollm2-135m-instruct", help="shipped name or folder")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    target, _ = load_target("smollm2-135m-instruct", dtype=args.dtype, device="cpu")
-    drafter = load_drafter(args.drafter, dtype=dtype)
-    drafter.attach_target_weights(target)
+    target, drafter, dtype = load_target_and_drafter(args)
     generator = torch.Generator().manual_seed(0)
     caches, slots = {}, {}
     with target_gqa_attention(target), torch.no_grad():
@@ -70,10 +60,7 @@ def main() -> None:
         return seconds
 
     def draft(b: int, masks: int) -> float:
-        view = D3DCache()
-        for layer in caches[b].layers[: drafter.config.num_hidden_layers]:
-            view.key_cache.append(layer.keys)
-            view.value_cache.append(layer.values)
+        view = cache_view(caches[b], drafter.config.num_hidden_layers)
         allowed, positions, _ = slots[b].inputs([1 + masks] * b, 1 + masks, tail=masks)
         ids = torch.randint(3, 1000, (b, 1 + masks))
         masked = torch.zeros_like(ids, dtype=torch.bool)
@@ -94,17 +81,12 @@ def main() -> None:
     variants = [("verify", b, w) for b in BATCHES for w in WIDTHS]
     variants += [("single", 1, q) for q in sorted({b * w for b in BATCHES for w in WIDTHS} - set(WIDTHS))]
     variants += [("draft", b, m) for b in BATCHES for m in MASKS]
-    times = {v: [] for v in variants}
-    rng = random.Random(0)
+
+    def measure(v) -> float:
+        return draft(v[1], v[2]) if v[0] == "draft" else verify(1 if v[0] == "single" else v[1], v[2])
+
     with target_gqa_attention(target):
-        for repeat in range(args.repeats + 2):
-            order = list(variants)
-            rng.shuffle(order)
-            for v in order:
-                seconds = draft(v[1], v[2]) if v[0] == "draft" else verify(1 if v[0] == "single" else v[1], v[2])
-                if repeat >= 2:
-                    times[v].append(seconds)
-    ms = {v: 1e3 * statistics.median(t) for v, t in times.items()}
+        ms = median_ms(variants, measure, args.repeats, warm_up=2)
 
     def single(q: int) -> float:
         return ms[("verify", 1, q)] if ("verify", 1, q) in ms else ms[("single", 1, q)]

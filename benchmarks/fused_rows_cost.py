@@ -14,20 +14,14 @@ in a shuffled order, the target's copy-free GQA attention on as in D3D's loop; m
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 import time
 
 import torch
-from _common import add_timing_arguments, emit
+from _common import add_timing_arguments, cache_view, emit, load_target_and_drafter, median_ms
 from d3d_hf.modeling.calibration_d3d import cpu_model
-from d3d_hf.modeling.drafting_d3d import D3DCache
 from d3d_hf.modeling.fast_paths_d3d import target_gqa_attention
 from d3d_hf.modeling.successor_d3d import block_rows_on_target
 from transformers import DynamicCache
-
-from d3d_hf.drafters import load_drafter
-from d3d_hf.targets import load_target
 
 VERIFIED = (1, 4)
 BLOCK_ROWS = (0, 4, 8, 12, 16, 24, 32)
@@ -39,11 +33,7 @@ def main() -> None:
     add_timing_arguments(parser, repeats=15)
     parser.add_argument("--drafter", default="d3d-smollm2-135m-instruct", help="shipped name or folder")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    target, _ = load_target("smollm2-135m-instruct", dtype=args.dtype, device="cpu")
-    drafter = load_drafter(args.drafter, dtype=dtype)
-    drafter.attach_target_weights(target)
+    target, drafter, dtype = load_target_and_drafter(args)
     context = torch.randint(3, 1000, (1, args.context), generator=torch.Generator().manual_seed(0))
     cache = DynamicCache(config=target.config)
     with torch.no_grad():
@@ -66,10 +56,7 @@ def main() -> None:
         return seconds
 
     def draft_pass(masks: int) -> float:
-        view = D3DCache()
-        for layer in cache.layers:
-            view.key_cache.append(layer.keys)
-            view.value_cache.append(layer.values)
+        view = cache_view(cache)
         committed = torch.randint(3, 1000, (1, 1))
         start = time.perf_counter()
         drafter.draft_logits(committed, view, num_masks=masks)
@@ -78,17 +65,12 @@ def main() -> None:
     variants = [("verify", q, e, True) for q in VERIFIED for e in BLOCK_ROWS]
     variants += [("plain", q, e, False) for q in VERIFIED for e in BLOCK_ROWS if e]
     variants += [("pass", m, 0, False) for m in MASKS]
-    times = {v: [] for v in variants}
-    rng = random.Random(0)
+
+    def measure(v) -> float:
+        return draft_pass(v[1]) if v[0] == "pass" else forward(v[1], v[2], v[3])
+
     with target_gqa_attention(target):
-        for repeat in range(args.repeats + 3):
-            order = list(variants)
-            rng.shuffle(order)
-            for v in order:
-                seconds = draft_pass(v[1]) if v[0] == "pass" else forward(v[1], v[2], v[3])
-                if repeat >= 3:  # warm-up repeats: matmul layouts are chosen on first sight of a row count
-                    times[v].append(seconds)
-    ms = {v: 1e3 * statistics.median(t) for v, t in times.items()}
+        ms = median_ms(variants, measure, args.repeats, warm_up=3)
     lines = [
         f"Fused block rows: {cpu_model()}, {args.dtype}, {args.threads} threads, {args.context} cached tokens, "
         f"median of {args.repeats} (ms)",

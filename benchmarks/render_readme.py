@@ -6,7 +6,8 @@ options declaration.
 
 Each block lies between `<!-- NAME:start -->` and `<!-- NAME:end -->` (see BLOCKS):
 
-- README.md: `summary` (one table of the cost-aware engine's speed-ups, from `benchmarks/results/engine/`) and
+- README.md: `summary` (one table of the cost-aware engine's speed-ups and what its drafter adds, from
+  `benchmarks/results/contribution/`) and
   `options` (`options_markdown_table()`, the user options of `modeling/options_d3d.py`);
 - docs/RESULTS.md: the detailed tables, one block per experiment (`results-engine`, `results-tree`,
   `results-full-block`, `results-async`, `results-pruning`, `results-suite`), and `internal-options`
@@ -322,11 +323,15 @@ SET_NAMES = {"humaneval": "HumanEval", "gsm8k": "GSM8K", "mt-bench": "MT-Bench",
 
 
 def render_summary() -> str:
-    """README's one table: the cost-aware engine's run (`bash benchmarks/run_engine.sh`), one row per prompt set and
-    dtype, with the target's tokens/s, prompt lookup's and D3D's speed-ups, D3D's tau and lossless match."""
-    files = sorted((ROOT / ENGINE).glob("*/results.json"))
+    """README's one table: the drafter-contribution run (`bash benchmarks/run_drafter_contribution.sh`: the engine,
+    its baselines and its ablations in one run per cell), one row per prompt set and dtype, with the target's
+    tokens/s, prompt lookup's and D3D's speed-ups, D3D's tau and lossless match; then what the drafter adds."""
+    files = sorted((ROOT / CONTRIBUTION).glob("*/results.json"))
     if not files:
-        return "Not recorded yet: `bash benchmarks/run_engine.sh` records it in `benchmarks/results/engine/`.\n"
+        return (
+            "Not recorded yet: `bash benchmarks/run_drafter_contribution.sh` records it in "
+            "`benchmarks/results/contribution/`.\n"
+        )
     results = sorted((json.loads(f.read_text()) for f in files), key=_order)
     st = results[0]["settings"]
     sets = ", ".join(
@@ -340,7 +345,7 @@ def render_summary() -> str:
         f"prompts {sets}; machine: {_cpu_text(st)}, {st['torch_threads']} torch threads on {st['cpu_count']} cores; "
         f"torch {st['torch']}, transformers {st['transformers']}. Speed-ups are aggregate tokens/s over the target "
         f"alone in the same run; tau is tokens committed per target forward. Recorded in "
-        f"[`{ENGINE}/`]({ENGINE}/) by `bash benchmarks/run_engine.sh`.",
+        f"[`{CONTRIBUTION}/`]({CONTRIBUTION}/) by `bash benchmarks/run_drafter_contribution.sh`.",
         "",
         "| prompts | dtype | target tok/s | prompt lookup (pld) speed-up | d3d speed-up | d3d tau | d3d lossless |",
         "|---|---|---|---|---|---|---|",
