@@ -27,20 +27,25 @@ from d3d_hf.targets import load_target
 
 
 class PlanRecorder:
-    """Wraps `BatchedRounds._decide` and `BatchedRounds.verify` (restored by `close`) to record, per round, the chosen
-    option's predicted tokens and seconds and the round's committed tokens and measured seconds."""
+    """Wraps `BatchedRounds._rate_options`, `BatchedRounds._decide` and `BatchedRounds.verify` (restored by `close`)
+    to record, per round, the chosen option's predicted tokens and seconds and the round's committed tokens and
+    measured seconds."""
 
     def __init__(self) -> None:
         self.rounds: list[tuple[str, int, float, float, int, float]] = []
         rounds_cls = batched_decoding_d3d.BatchedRounds
-        self._saved = (rounds_cls._decide, rounds_cls.verify)
-        decide, verify = self._saved
+        self._saved = (rounds_cls._rate_options, rounds_cls._decide, rounds_cls.verify)
+        rate_options, decide, verify = self._saved
         recorder = self
 
+        def recording_rate_options(rounds, limits, lookups):
+            rounds.rated_options = rate_options(rounds, limits, lookups)
+            return rounds.rated_options
+
         def recording_decide(rounds, limits, lookups):
-            options = rounds._rate_options(limits, lookups) if max(limits) > 0 else []
+            rounds.rated_options = []
             source, count, uses = decide(rounds, limits, lookups)
-            chosen = [o for o in options if o[2] == source and o[3] == count]
+            chosen = [o for o in rounds.rated_options if o[2] == source and o[3] == count]
             rounds.recorded_option = chosen[0] if chosen else None
             return source, count, uses
 
@@ -59,10 +64,12 @@ class PlanRecorder:
             rounds.recorded_option, rounds.draft_seconds = None, None
             return results
 
-        rounds_cls._decide, rounds_cls.verify = recording_decide, recording_verify
+        rounds_cls._rate_options, rounds_cls._decide = recording_rate_options, recording_decide
+        rounds_cls.verify = recording_verify
 
     def close(self) -> None:
-        batched_decoding_d3d.BatchedRounds._decide, batched_decoding_d3d.BatchedRounds.verify = self._saved
+        rounds_cls = batched_decoding_d3d.BatchedRounds
+        rounds_cls._rate_options, rounds_cls._decide, rounds_cls.verify = self._saved
 
 
 def main() -> None:

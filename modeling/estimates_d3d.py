@@ -208,7 +208,7 @@ class BatchedCosts:
     `b`, the ratio of a measured batched forward to the single-sequence curve at `b x w` is kept as a `CostCurve`
     over `w` (an exponential moving average per `w`, clamped per update as `CostCurve.observe`; between and beyond
     the measured `w` as that curve reads). Until a `(curve, b)` pair has been measured, the ratio is 1 (the
-    single-sequence curve at `b x w`). Our design (d3d-hf docs/DESIGN.md section 9, issue 28).
+    single-sequence curve at `b x w`). Our design (d3d-hf docs/DESIGN.md section 2, "Batches"; issue 28).
 
     Args:
         weight (`float`, defaults to 0.2): weight of a new measurement, in (0, 1] (`DraftPolicy.curve_weight`).
