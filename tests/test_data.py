@@ -88,7 +88,7 @@ def test_generate_dataset_rows_and_load_from_disk(tiny, tmp_path):
     assert settings["max_new_tokens"] == 6 and settings["temperature"] == 0.0 and settings["batch_size"] == 2
     assert settings["num_prompts"] == 5 and settings["versions"]["datasets"]
     assert settings["runs"][0]["generated"] == 5
-    assert len(list((tmp_path / "out" / "shards").glob("shard-*.jsonl"))) == 3
+    assert len(list((tmp_path / "out" / "shards").glob("shard-*.safetensors"))) == 3
 
 
 def test_batched_greedy_equals_unbatched_tiny(tiny, tmp_path):
@@ -131,7 +131,7 @@ def test_killed_run_resumes_where_it_stopped(tiny, tmp_path):
     model.generate = dies_on_second_batch
     with pytest.raises(KeyboardInterrupt):
         generate_dataset(model, tok, _prompts(6), tmp_path, max_new_tokens=5, batch_size=2, progress=False)
-    assert len(list((tmp_path / "shards").glob("shard-*.jsonl"))) == 1
+    assert len(list((tmp_path / "shards").glob("shard-*.safetensors"))) == 1
     assert not (tmp_path / "dataset").exists()
     model.generate = original
     calls = _count_generated(model)
@@ -211,3 +211,67 @@ def test_smollm2_batched_greedy_equals_unbatched(smollm2, tmp_path):
         ref = out[0, ids.shape[1] :].tolist()
         cut = next((i + 1 for i, t in enumerate(ref) if t in eos), len(ref))
         assert row["response_ids"] == ref[:cut], p.id
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# token shards and shards-only data
+
+
+def test_token_shard_round_trip_and_size(tmp_path):
+    from d3d_hf.shards import read_token_shard, write_token_shard
+
+    rows = [
+        {"id": "a", "messages": [{"role": "user", "content": "hé"}], "prompt_ids": [1, 2, 65535], "response_ids": []},
+        {"id": "b", "messages": [{"role": "user", "content": "x"}], "prompt_ids": [0], "response_ids": [5] * 300},
+    ]
+    write_token_shard(tmp_path / "s.safetensors", rows)
+    assert read_token_shard(tmp_path / "s.safetensors") == rows
+    assert (tmp_path / "s.safetensors").stat().st_size < 2 * 304 + 600  # 2 bytes a token plus the header
+    big = [{**rows[0], "prompt_ids": [70000]}]
+    write_token_shard(tmp_path / "big.safetensors", big)  # over uint16: stored as int32
+    assert read_token_shard(tmp_path / "big.safetensors") == big
+    with pytest.raises(ValueError, match="at least one row"):
+        write_token_shard(tmp_path / "e.safetensors", [])
+    with pytest.raises(ValueError, match="outside"):
+        write_token_shard(tmp_path / "n.safetensors", [{**rows[0], "prompt_ids": [-1]}])
+    (tmp_path / "other.safetensors").write_bytes((tmp_path / "s.safetensors").read_bytes().replace(b"v1", b"v9"))
+    with pytest.raises(ValueError, match="not a d3d-hf token shard"):
+        read_token_shard(tmp_path / "other.safetensors")
+
+
+def test_partial_run_trains_from_shards_and_keeps_the_given_order(tiny, tmp_path):
+    """A run stopped early has answered a prefix of the prompts in their given order (length-sorted only within
+    windows of 8 batches); its shards load as training rows without the final dataset, and a JSONL-shard run and a
+    token-shard run hold the same ids."""
+    from d3d_hf.data import load_generated_rows
+    from d3d_hf.training.script import load_training_dataset
+
+    model, tok = tiny
+    original = model.generate
+    calls: list[int] = []
+
+    def dies_after_eight_batches(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 8:
+            raise KeyboardInterrupt("killed")
+        return original(*args, **kwargs)
+
+    model.generate = dies_after_eight_batches
+    prompts = _prompts(40)
+    with pytest.raises(KeyboardInterrupt):
+        generate_dataset(model, tok, prompts, tmp_path / "t", max_new_tokens=4, batch_size=2, progress=False)
+    model.generate = original
+    rows = load_generated_rows(tmp_path / "t", tokenizer=tok)
+    assert sorted(r["id"] for r in rows) == sorted(p.id for p in prompts[:16])  # the first window of 8 batches
+    assert all(r["response"] == tok.decode(r["response_ids"], skip_special_tokens=True) for r in rows)
+    loaded = load_training_dataset(str(tmp_path / "t"))
+    assert len(loaded) == 16 and {"prompt_ids", "response_ids", "messages"} <= set(loaded.column_names)
+    ds = generate_dataset(model, tok, prompts[:4], tmp_path / "j", max_new_tokens=4, progress=False,
+                          shard_format="jsonl")  # fmt: skip
+    assert [r["id"] for r in load_generated_rows(tmp_path / "j")] == [p.id for p in sorted(
+        prompts[:4], key=lambda p: len(encode_prompt(tok, p)[0]))]  # fmt: skip
+    assert len(ds) == 4
+    with pytest.raises(ValueError, match="shard_format"):
+        generate_dataset(model, tok, prompts[:4], tmp_path / "x", progress=False, shard_format="parquet")
+    with pytest.raises(FileNotFoundError, match="no shards"):
+        load_generated_rows(tmp_path / "empty")

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {
     "d3d_hf": ROOT / "src" / "d3d_hf",
     "d3d_hf.modeling": ROOT / "modeling",
-    "d3d_hf.kernels": ROOT / "kernels",
+    "d3d_hf.kernels": ROOT / "src" / "d3d_hf" / "kernels",
 }
 MAX_BUNDLE_LINES = 800
 MAX_MODELING_LINES = 650

@@ -400,3 +400,36 @@ def test_encode_prompt_without_template():
 def test_encode_prompt_empty():
     with pytest.raises(ValueError, match="no tokens"):
         encode_prompt(_FakeTokenizer([]), Prompt(id="0", messages=[{"role": "user", "content": "x"}]))
+
+
+@pytest.mark.parametrize("name", ["humaneval", "gsm8k", "mt-bench", "vicuna-bench"])
+def test_near_duplicates_of_evaluation_prompts_are_refused(tmp_path, name):
+    """A reworded copy of an evaluation prompt (a word changed, case and punctuation changed, wrapped in other text)
+    is a near-duplicate; load_prompt_sources refuses a file that holds one, and unrelated prompts pass."""
+    from d3d_hf.prompts import near_evaluation_match
+
+    leaked = load_prompts(name, limit=6)[5]
+    text = [m["content"] for m in leaked.messages if m["role"] == "user"][0]
+    words = text.split()
+    words[len(words) // 2] = "zebra"
+    reworded = " ".join(words).upper().replace(",", ";")
+    for variant in (reworded, f"Please help me with this. {text} Thank you so much!"):
+        assert near_evaluation_match(variant) == leaked.id
+        path = tmp_path / "near.jsonl"
+        path.write_text(json.dumps({"id": "mine-1", "prompt": variant}) + "\n")
+        with pytest.raises(ValueError, match=f"evaluation prompt '{leaked.id}'"):
+            load_prompt_sources(str(path))
+    for fine in ("Write a haiku about rivers.", "How do I reverse a list in Python without using slicing?"):
+        assert near_evaluation_match(fine) is None
+    with pytest.raises(ValueError, match="threshold"):
+        near_evaluation_match(text, threshold=0)
+
+
+def test_training_sources_hold_no_near_duplicates():
+    """The shipped prompt sources are checked by the near-duplicate guard as they load (no error), and sharing a
+    few words with an evaluation prompt is not enough to be refused."""
+    from d3d_hf.prompts import near_evaluation_match
+
+    assert len(load_prompt_sources("stdlib:300,math:300,chat:300")) == 900
+    gsm = load_prompts("gsm8k", limit=1)[0].raw
+    assert near_evaluation_match(" ".join(gsm.split()[:6]) + " and then something else entirely different") is None

@@ -359,7 +359,9 @@ def test_d3d_data_output_loads_as_json_and_trains(target, model_folders, tmp_pat
     from d3d_hf.prompts import load_prompts
 
     prompts = load_prompts(str(model_folders / "prompts.jsonl"))
-    generate_dataset(target, _tokenizer(), prompts, tmp_path / "data", max_new_tokens=10, progress=False)
+    generate_dataset(
+        target, _tokenizer(), prompts, tmp_path / "data", max_new_tokens=10, progress=False, shard_format="jsonl"
+    )
     rows = load_dataset("json", data_files=str(tmp_path / "data" / "shards" / "*.jsonl"), split="train")
     assert {"prompt_ids", "response_ids", "messages"} <= set(rows.column_names)
     trainer = D3DTrainer(
@@ -373,6 +375,36 @@ def test_d3d_data_output_loads_as_json_and_trains(target, model_folders, tmp_pat
     argv += ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--block_lora_rank", "2"]
     assert main(argv) == 0
     _assert_lossless(target, load_drafter(str(tmp_path / "b")))
+
+
+def test_train_reads_token_shards_and_takes_the_first_max_samples_rows(target, model_folders, tmp_path, capsys,
+                                                                      monkeypatch):  # fmt: skip
+    """`d3d-hf train --data FOLDER` reads the token shards of a run without its final dataset (data committed as
+    shards), and `--max_samples N` trains on the first N rows outside the hold-out (a learning curve's prefixes)."""
+    import shutil
+
+    from d3d_hf.data import generate_dataset
+    from d3d_hf.prompts import load_prompts
+    from d3d_hf.training import trainer as trainer_module
+
+    prompts = load_prompts(str(model_folders / "prompts.jsonl"))
+    generate_dataset(target, _tokenizer(), prompts, tmp_path / "data", max_new_tokens=10, progress=False)
+    shutil.rmtree(tmp_path / "data" / "dataset")
+    seen = []
+    original = trainer_module.D3DTrainer.__init__
+
+    def recording(self, *args, train_dataset=None, **kwargs):
+        seen.append([row["id"] for row in train_dataset])
+        original(self, *args, train_dataset=train_dataset, **kwargs)
+
+    monkeypatch.setattr(trainer_module.D3DTrainer, "__init__", recording)
+    base = ["train", "--target", str(model_folders / "target"), "--data", str(tmp_path / "data"), "--max_steps", "1"]
+    base += ["--tau_holdout", "0", "--init-block-size", "4", "--use_cpu", "--report_to", "none"]
+    base += ["--disable_tqdm", "true", "--block_lora_rank", "2"]
+    assert main([*base, "--output-dir", str(tmp_path / "a"), "--max_samples", "1"]) == 0
+    assert len(seen[-1]) == 1
+    assert main([*base, "--output-dir", str(tmp_path / "c"), "--max_samples", str(len(prompts) + 1)]) == 2
+    assert "--max_samples" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -43,13 +43,13 @@ DEFAULT_SHAPES = "16:3,16:7,16:15,16:31,16:63,32:1,32:3,32:7,32:15,32:31"
 
 
 def import_from_checkout() -> tuple[types.ModuleType, types.ModuleType]:
-    """`(d3d_hf.kernels, d3d_hf.modeling.drafting_d3d)` loaded from this checkout's `kernels/` and `modeling/`."""
+    """`(d3d_hf.kernels, d3d_hf.modeling.drafting_d3d)` loaded from this checkout's `src/d3d_hf/kernels/` and `modeling/`."""
     package = types.ModuleType("d3d_hf")
     package.__path__ = [str(ROOT / "src" / "d3d_hf")]
     sys.modules["d3d_hf"] = package
-    for name in ("modeling", "kernels"):
+    for name, folder in (("modeling", ROOT / "modeling"), ("kernels", ROOT / "src" / "d3d_hf" / "kernels")):
         spec = importlib.util.spec_from_file_location(
-            f"d3d_hf.{name}", ROOT / name / "__init__.py", submodule_search_locations=[str(ROOT / name)]
+            f"d3d_hf.{name}", folder / "__init__.py", submodule_search_locations=[str(folder)]
         )
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module

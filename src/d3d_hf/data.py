@@ -12,9 +12,9 @@ are refused). Those functions and their constants live in :mod:`d3d_hf.prompts` 
 
     generation_settings.json    target, dtype, decoding settings, prompt sources and counts, library versions,
                                 and one entry per run (batch size, how many prompts were generated)
-    shards/shard-00000.jsonl    one JSON line per prompt, one file per batch, each written atomically, so a
-    shards/shard-00001.jsonl    killed run resumes where it stopped (prompts whose id is in a shard are skipped)
-    ...
+    shards/shard-00000.safetensors  the rows of one batch per file (token ids, 2 bytes a token: d3d_hf.shards; or
+    shards/shard-00001.safetensors  one JSON line per row with shard_format="jsonl"), each written atomically, so a
+    ...                             killed run resumes where it stopped (prompts whose id is in a shard are skipped)
     dataset/                    ``datasets.Dataset.save_to_disk`` of all requested prompts, written at the end;
                                 load it with ``datasets.load_from_disk(output_dir / "dataset")``
 
@@ -52,6 +52,7 @@ from .prompts import (
     stdlib_prompts,
     stdlib_source_info,
 )
+from .shards import SHARD_SUFFIX, read_token_shard, write_token_shard
 from .utils import library_versions, write_json_atomic
 
 if TYPE_CHECKING:
@@ -105,19 +106,48 @@ def _utc_now() -> str:
 
 
 def _read_shards(shards: Path) -> tuple[dict[str, dict], int]:
-    """Rows already generated (id -> row) and the index for the next shard file."""
+    """Rows already generated (id -> row) and the index for the next shard file.
+
+    Reads both shard formats: token shards (``shard-NNNNN.safetensors``, :mod:`d3d_hf.shards`; their rows have no
+    ``response`` text) and JSONL shards (``shard-NNNNN.jsonl``).
+    """
     done: dict[str, dict] = {}
     next_index = 0
     if not shards.is_dir():
         return done, next_index
-    for path in sorted(shards.glob("shard-*.jsonl")):
-        next_index = max(next_index, int(path.stem.split("-")[1]) + 1)
+    paths = sorted([*shards.glob("shard-*.jsonl"), *shards.glob(f"shard-*{SHARD_SUFFIX}")])
+    for path in sorted(paths, key=lambda p: int(p.name.split("-")[1].split(".")[0])):
+        next_index = max(next_index, int(path.name.split("-")[1].split(".")[0]) + 1)
+        if path.suffix == SHARD_SUFFIX:
+            for row in read_token_shard(path):
+                done[row["id"]] = row
+            continue
         with path.open(encoding="utf-8") as f:
             for line in f:
                 if line.strip():
                     row = json.loads(line)
                     done[row["id"]] = row
     return done, next_index
+
+
+def load_generated_rows(output_dir: str | os.PathLike, tokenizer=None) -> list[dict]:
+    """Every row in the shards of a :func:`generate_dataset` folder, finished or not, in shard order.
+
+    Rows are ``{"id", "messages", "prompt_ids", "response_ids"}`` plus ``response`` (the decoded text) when the shard
+    stored it (JSONL) or ``tokenizer`` is given. This is how training reads a run still in progress or committed
+    as shards only (the ``dataset/`` folder is written at the end of a run and is not committed).
+
+    Raises:
+        FileNotFoundError: ``output_dir`` has no ``shards/`` folder with shards in it.
+    """
+    done, _ = _read_shards(Path(output_dir) / SHARDS_DIR)
+    if not done:
+        raise FileNotFoundError(f"{output_dir} holds no shards ({SHARDS_DIR}/shard-*): run `d3d-hf data` first.")
+    rows = list(done.values())
+    if tokenizer is not None:
+        for row in rows:
+            row.setdefault("response", tokenizer.decode(row["response_ids"], skip_special_tokens=True))
+    return rows
 
 
 def _left_pad(sequences: Sequence[list[int]], pad_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
@@ -243,13 +273,15 @@ def generate_dataset(
     seed: int = 0,
     target_name: str | None = None,
     prompt_sources: str | None = None,
+    shard_format: str = "tokens",
 ) -> Dataset:
     """Answer prompts with the target itself and save the result as a ``datasets`` dataset (self-distillation).
 
-    Prompts are encoded with :func:`~d3d_hf.prompts.encode_prompt`, sorted by length (less padding) and generated
-    ``batch_size`` at a time with left padding and an attention mask (the padding side of ``tokenizer`` is not
-    touched: the batch is padded here with ``tokenizer.pad_token_id``). After every batch its rows are written to
-    ``output_dir/shards/shard-NNNNN.jsonl`` (atomically), so a killed run, called again with the same settings,
+    Prompts are encoded with :func:`~d3d_hf.prompts.encode_prompt`, sorted by length within windows of 8 batches (less
+    padding; a run stopped early has answered a prefix of ``prompts``) and generated ``batch_size`` at a time with
+    left padding and an attention mask (the padding side of ``tokenizer`` is not touched: the batch is padded here
+    with ``tokenizer.pad_token_id``). After every batch its rows are written to ``output_dir/shards/shard-NNNNN``
+    (``.safetensors`` or ``.jsonl``, atomically), so a killed run, called again with the same settings,
     generates only the prompts whose ids are not in a shard yet. At the end all requested prompts (in the order
     of ``prompts``; rows of other prompts in the shards are left out) are saved with ``save_to_disk`` to
     ``output_dir/dataset``. See the module docstring for the layout and the row format.
@@ -283,6 +315,9 @@ def generate_dataset(
             ``target.name_or_path``.
         prompt_sources: Description of where the prompts came from (e.g. the :func:`load_prompt_sources` spec),
             recorded in the settings.
+        shard_format: ``"tokens"`` (default): compact token-id shards (:mod:`d3d_hf.shards`, 2 bytes a token,
+            meant to be committed); ``"jsonl"``: one JSON line per row with the decoded ``response`` too (readable,
+            ~3x larger, loads with ``datasets.load_dataset("json")``). A folder may hold both; resuming reads both.
 
     Returns:
         The ``datasets.Dataset`` saved to ``output_dir/dataset``, one row per prompt with columns ``id``,
@@ -313,6 +348,8 @@ def generate_dataset(
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+    if shard_format not in ("tokens", "jsonl"):
+        raise ValueError(f"shard_format must be 'tokens' or 'jsonl', got {shard_format!r}.")
     if not (isinstance(temperature, (int, float)) and temperature >= 0):
         raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}.")
 
@@ -376,8 +413,14 @@ def generate_dataset(
     write_json_atomic(output_dir / SETTINGS_FILE, record)
 
     encoded = {p.id: encode_prompt(tokenizer, p)[0].tolist() for p in pending}
-    order = sorted(range(len(pending)), key=lambda i: (len(encoded[pending[i].id]), i))
-    pending = [pending[i] for i in order]
+    # length-sorted within windows of 8 batches: little padding, and a run stopped early has answered a prefix of the
+    # prompts in their given order (the mix of sources the caller chose), not only the shortest prompts of all
+    window = 8 * batch_size
+    pending = [
+        p
+        for w in range(0, len(pending), window)
+        for p in sorted(pending[w : w + window], key=lambda q: len(encoded[q.id]))
+    ]
 
     from tqdm.auto import tqdm
 
@@ -392,23 +435,22 @@ def generate_dataset(
                 target, [encoded[p.id] for p in batch], pad_id, eos_ids, max_new_tokens, temperature
             )
             rows = [
-                {
-                    "id": p.id,
-                    "messages": list(p.messages),
-                    "prompt_ids": encoded[p.id],
-                    "response_ids": resp,
-                    "response": tokenizer.decode(resp, skip_special_tokens=True),
-                }
+                {"id": p.id, "messages": list(p.messages), "prompt_ids": encoded[p.id], "response_ids": resp}
                 for p, resp in zip(batch, responses, strict=True)
             ]
-            path = shards / f"shard-{next_shard:05d}.jsonl"
-            tmp = shards / f".{path.name}.tmp"
-            with tmp.open("w", encoding="utf-8") as f:
+            if shard_format == "tokens":
+                write_token_shard(shards / f"shard-{next_shard:05d}{SHARD_SUFFIX}", rows)
+            else:
                 for row in rows:
-                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+                    row["response"] = tokenizer.decode(row["response_ids"], skip_special_tokens=True)
+                path = shards / f"shard-{next_shard:05d}.jsonl"
+                tmp = shards / f".{path.name}.tmp"
+                with tmp.open("w", encoding="utf-8") as f:
+                    for row in rows:
+                        f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
             next_shard += 1
             for row in rows:
                 done[row["id"]] = row
@@ -429,6 +471,8 @@ def generate_dataset(
     write_json_atomic(output_dir / SETTINGS_FILE, record)
 
     rows = [done[p.id] for p in prompts]
+    for row in rows:
+        row.setdefault("response", tokenizer.decode(row["response_ids"], skip_special_tokens=True))
     dataset = datasets.Dataset.from_list(rows)
     if (output_dir / DATASET_DIR).exists():
         shutil.rmtree(output_dir / DATASET_DIR)
@@ -446,6 +490,7 @@ __all__ = [
     "STDLIB_LICENSE",
     "generate_batch",
     "generate_dataset",
+    "load_generated_rows",
     "load_prompt_sources",
     "stdlib_prompts",
     "stdlib_source_info",

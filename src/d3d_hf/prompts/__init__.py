@@ -6,7 +6,9 @@
 - `stdlib`: `stdlib_prompts`, training instructions derived from the Python standard library;
 - `synthetic`: `math_word_problems` and `chat_instructions`, templated training prompts for math and chat;
 - `sources`: `load_prompt_sources`, the training prompt sources (`stdlib[:N]`, `math[:N]`, `chat[:N]` and JSONL
-  files, never an evaluation set).
+  files, never an evaluation set nor a near-duplicate of an evaluation prompt: `near_evaluation_match`);
+- `magpie`: `magpie_requests`, requests the target writes itself (Magpie) into a JSONL prompt file (it needs the
+  target, so it is imported from `d3d_hf.prompts.magpie`, not here).
 
 Every name is importable from `d3d_hf.prompts` itself (the stdlib and source names also from `d3d_hf.data`).
 """
@@ -20,7 +22,13 @@ from .benchmarks import _read_jsonl_records as _read_jsonl_records
 from .benchmarks import _round_robin as _round_robin
 from .prompt import Prompt, encode_prompt
 from .prompt import _to_id_list as _to_id_list
-from .sources import EVALUATION_SETS, evaluation_texts, load_prompt_sources, refuse_evaluation_rows
+from .sources import (
+    EVALUATION_SETS,
+    evaluation_texts,
+    load_prompt_sources,
+    near_evaluation_match,
+    refuse_evaluation_rows,
+)
 from .stdlib import MAX_SOURCE_CHARS, STDLIB_KINDS, STDLIB_LICENSE, stdlib_prompts, stdlib_source_info
 from .synthetic import SYNTHETIC_SOURCES, chat_instructions, math_word_problems
 
@@ -40,6 +48,7 @@ __all__ = [
     "load_prompt_sources",
     "load_prompts",
     "math_word_problems",
+    "near_evaluation_match",
     "refuse_evaluation_rows",
     "stdlib_prompts",
     "stdlib_source_info",

@@ -40,6 +40,8 @@ class D3DTrainScriptArguments:
         dtype (`str`, defaults to `"float32"`): dtype of the target (and shared weights) during training.
         tau_holdout (`int`, defaults to 4): rows held out of training (the last ones) whose prompts measure tau
             every `tau_eval_steps` (a conversational row's prompt is its messages before the last assistant turn).
+        max_samples (`int`, *optional*): train on the first `max_samples` rows that are not held out (the held-out
+            rows stay the dataset's last `tau_holdout`, so runs of a learning curve share them); default all.
         threads (`int`, *optional*): torch CPU threads.
         overwrite (`bool`, defaults to `False`): allow a non-empty `output_dir` without resuming.
     """
@@ -52,6 +54,7 @@ class D3DTrainScriptArguments:
     shares_target_weights: bool = field(default=True, metadata={"help": "New drafter references target weights."})
     dtype: str = field(default="float32", metadata={"help": "Training dtype of the target."})
     tau_holdout: int = field(default=4, metadata={"help": "Rows held out for tau evaluation."})
+    max_samples: int | None = field(default=None, metadata={"help": "Train on the first N rows (learning curves)."})
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads."})
     overwrite: bool = field(default=False, metadata={"help": "Allow a non-empty output_dir without resuming."})
 
@@ -62,9 +65,10 @@ class D3DTrainScriptArguments:
             ValueError: naming the flag, for `num_layers` or `threads` below 1, `init_block_size` below 2 (training
                 needs a mask), `tau_holdout` below 0, or a `dtype` other than float32, bfloat16, float16.
         """
-        for name, low in (("num_layers", 1), ("init_block_size", 2), ("tau_holdout", 0), ("threads", 1)):
+        names = (("num_layers", 1), ("init_block_size", 2), ("tau_holdout", 0), ("threads", 1), ("max_samples", 1))
+        for name, low in names:
             value = getattr(self, name)
-            if value is None and name in ("num_layers", "threads"):
+            if value is None and name in ("num_layers", "threads", "max_samples"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"--{name} must be a whole number >= {low}, got {value!r}.")
@@ -73,7 +77,8 @@ class D3DTrainScriptArguments:
 
 
 def load_training_dataset(path: str):
-    """Loads training rows: a `datasets.save_to_disk` folder (`path` or `path/dataset`, as `d3d-hf data` writes) or
+    """Loads training rows: a `datasets.save_to_disk` folder (`path` or `path/dataset`, as `d3d-hf data` writes), the
+    shards of a `d3d-hf data` folder without a `dataset/` (a run in progress, or data committed as shards), or
     JSON / JSONL files (`path` a file, a glob, or comma-separated files) through `datasets.load_dataset("json")`.
 
     Returns:
@@ -84,6 +89,10 @@ def load_training_dataset(path: str):
     """
     from datasets import DatasetDict, load_dataset, load_from_disk
 
+    from datasets import Dataset
+
+    from ..data import SHARDS_DIR, load_generated_rows
+
     for candidate in (Path(path) / "dataset", Path(path)):
         if (candidate / "dataset_info.json").exists() or (candidate / "state.json").exists():
             dataset = load_from_disk(str(candidate))
@@ -92,6 +101,8 @@ def load_training_dataset(path: str):
         else:
             continue
         return dataset["train"] if isinstance(dataset, DatasetDict) else dataset
+    if (Path(path) / SHARDS_DIR).is_dir() and any((Path(path) / SHARDS_DIR).glob("shard-*")):
+        return Dataset.from_list(load_generated_rows(path))  # a run in progress, or committed as shards only
     files = sorted(f for part in path.split(",") for f in glob.glob(part.strip()) if Path(f).is_file())
     if files and all(f.endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz")) for f in files):
         return load_dataset("json", data_files=files, split="train")
@@ -157,7 +168,15 @@ def train_drafter(script: D3DTrainScriptArguments, config: D3DTrainingConfig) ->
 
         load_drafter_config(script.drafter)
     target, tokenizer = load_target(script.target, dtype=script.dtype)
-    train_rows = dataset.select(range(len(dataset) - script.tau_holdout))
+    num_train = len(dataset) - script.tau_holdout
+    if script.max_samples is not None:
+        if script.max_samples > num_train:
+            raise ValueError(
+                f"--max_samples {script.max_samples} is more than the {num_train} rows outside the hold-out: pass at "
+                f"most {num_train}, or generate more data."
+            )
+        num_train = script.max_samples
+    train_rows = dataset.select(range(num_train))
     held_out = [dataset[i] for i in range(len(dataset) - script.tau_holdout, len(dataset))]
     tau_prompts = (
         [torch.tensor([_tau_prompt(row, tokenizer)], dtype=torch.long) for row in held_out]
