@@ -70,6 +70,7 @@ _ALL_FIELDS = (
     "rope_parameters",
     "block_lora_alpha",
     "block_lora_modules",
+    "draft_vocab_size",
     "initializer_range",
     "attention_dropout",
     "bos_token_id",
@@ -242,6 +243,7 @@ def validate_config(config: PretrainedConfig | Mapping[str, Any]) -> None:
     dropout = present.get("attention_dropout", 0.0)
     if not (_is_real(dropout) and 0 <= dropout < 1):
         raise _config_error("attention_dropout", "a number in [0, 1)", dropout, "Set `attention_dropout` to 0.0")
+    _check_draft_vocab(present)
     for name in _OPTIONAL_STR_FIELDS:
         if given(name) and present[name] is not None and not isinstance(present[name], str):
             raise _config_error(name, "None or a str (a model name or path)", present[name], f"Set `{name}` to a name")
@@ -251,6 +253,32 @@ def validate_config(config: PretrainedConfig | Mapping[str, Any]) -> None:
         if value is not None and not all(_is_whole(i) for i in ids):
             kind = "None, an int or a list of ints" if name == "eos_token_id" else "None or an int"
             raise _config_error(name, kind, value, f"Set `{name}` to the target's token id")
+
+
+def _check_draft_vocab(present: Mapping[str, Any]) -> None:
+    """`draft_vocab_size`: None, or an int in [1, vocab_size] on a drafter with weights of its own and an untied head."""
+    size = present.get("draft_vocab_size")
+    if size is None:
+        return
+    vocab = present.get("vocab_size")
+    if not _is_whole(size) or size < 1 or (vocab is not None and size > vocab):
+        raise _config_error(
+            "draft_vocab_size",
+            f"None (the full vocabulary) or an int in [1, `vocab_size`] = [1, {vocab}]",
+            size,
+            "Set `draft_vocab_size` to the number of ids the LM head covers, such as 8192",
+        )
+    if present.get("shares_target_weights"):
+        raise ValueError(
+            "D3D drafter config: `draft_vocab_size` needs a drafter with weights of its own, but "
+            "`shares_target_weights=True` makes its LM head the target's full-vocabulary head. Set "
+            "`shares_target_weights=False` (a standalone drafter) or `draft_vocab_size=None`."
+        )
+    if present.get("tie_word_embeddings"):
+        raise ValueError(
+            "D3D drafter config: `draft_vocab_size` gives the LM head its own rows (one per draft-vocabulary id), so "
+            "it cannot be tied to the full input embeddings: set `tie_word_embeddings=False`."
+        )
 
 
 def _check_rope_parameters(rope: Any) -> None:
@@ -361,6 +389,13 @@ class D3DConfig(PretrainedConfig):
             layers (`source_layer_ids` of the target), final norm and LM head are the target's own tensors,
             attached with `attach_target_weights(target)` (done automatically by `target.generate(...,
             assistant_model=drafter)`). Keeps a full-depth drafter a few MB on disk and free in memory.
+        draft_vocab_size (`int`, *optional*):
+            A draft vocabulary (FR-Spec, arXiv 2502.14856): the LM head has rows for only these many ids, the most
+            frequent of the target's answers, saved as the buffer `draft_vocab_ids` (`torch.LongTensor` of shape
+            `(draft_vocab_size,)`, target ids). The model's logits are still over the full vocabulary, the other ids
+            at the dtype's lowest value, so they are never drafted and every candidate is a target id; the LM head
+            costs `draft_vocab_size / vocab_size` of a full one. `None` (default): the full vocabulary. Needs
+            `shares_target_weights=False` and `tie_word_embeddings=False`.
         initializer_range (`float`, *optional*, defaults to 0.02):
             Standard deviation of the normal initialiser for freshly created weights.
         attention_dropout (`float`, *optional*, defaults to 0.0):
@@ -412,6 +447,7 @@ class D3DConfig(PretrainedConfig):
         block_lora_alpha: float = 16.0,
         block_lora_modules: list[str] | None = None,
         shares_target_weights: bool = False,
+        draft_vocab_size: int | None = None,
         initializer_range: float = 0.02,
         attention_dropout: float = 0.0,
         bos_token_id: int | None = None,
@@ -456,6 +492,7 @@ class D3DConfig(PretrainedConfig):
         self.block_lora_alpha = float(block_lora_alpha)
         self.block_lora_modules = list(DEFAULT_BLOCK_LORA_MODULES if block_lora_modules is None else block_lora_modules)
         self.shares_target_weights = bool(shares_target_weights)
+        self.draft_vocab_size = draft_vocab_size
         self.initializer_range = initializer_range
         self.attention_dropout = attention_dropout
         super().__init__(

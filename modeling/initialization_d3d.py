@@ -24,6 +24,7 @@ def from_autoregressive(
     block_lora_rank: int = 0,
     block_lora_alpha: float = 16.0,
     shares_target_weights: bool = False,
+    draft_vocab_ids: list[int] | None = None,
 ) -> PreTrainedModel:
     r"""
     Initialises a drafter from an autoregressive causal LM of the same tokenizer (Llama-, Mistral- or
@@ -53,6 +54,10 @@ def from_autoregressive(
         shares_target_weights (`bool`, defaults to `False`):
             Reference `model`'s tensors instead of copying them, and save only drafter-specific weights (the
             source must then be the target the drafter is used with).
+        draft_vocab_ids (`list[int]`, *optional*):
+            A draft vocabulary (FR-Spec, arXiv 2502.14856; `D3DConfig.draft_vocab_size`): the target ids the LM
+            head covers, its rows copied from the source's head; the head is then untied from the embeddings.
+            `None` (default): the full vocabulary. Not with `shares_target_weights`.
 
     Returns:
         `D3DForDiffusionDrafting` in the source model's dtype and on its device, in eval mode.
@@ -100,7 +105,8 @@ def from_autoregressive(
         attention_bias=bool(getattr(src_cfg, "attention_bias", False)),
         mlp_bias=bool(getattr(src_cfg, "mlp_bias", False)),
         use_qk_norm=hasattr(first_attn, "q_norm"),
-        tie_word_embeddings=bool(getattr(model.config, "tie_word_embeddings", False)),
+        tie_word_embeddings=bool(getattr(model.config, "tie_word_embeddings", False)) and draft_vocab_ids is None,
+        draft_vocab_size=None if draft_vocab_ids is None else len(draft_vocab_ids),
         block_size=block_size,
         mask_token_id=mask_token_id,
         source_model=source_model or getattr(model, "name_or_path", None) or None,
@@ -128,7 +134,12 @@ def from_autoregressive(
                     new_state[f"model.layers.{dst_idx}.{key[len(prefix) :]}"] = value
         new_state["model.embed_tokens.weight"] = src_state["model.embed_tokens.weight"]
         new_state["model.norm.weight"] = src_state["model.norm.weight"]
-        new_state["lm_head.weight"] = src_state.get("lm_head.weight", src_state["model.embed_tokens.weight"])
+        source_head = src_state.get("lm_head.weight", src_state["model.embed_tokens.weight"])
+        new_state["lm_head.weight"] = source_head
+        if draft_vocab_ids is not None:
+            drafter.set_draft_vocabulary(draft_vocab_ids, source_head=source_head)
+            new_state["lm_head.weight"] = drafter.lm_head.weight.detach().clone()
+            new_state["draft_vocab_ids"] = drafter.draft_vocab_ids.clone()
         expected = {k for k in drafter.state_dict() if not drafter.is_drafter_specific(k)}
         missing, unexpected = expected - set(new_state), set(new_state) - expected
         if missing or unexpected:

@@ -37,6 +37,7 @@ from .fast_paths_d3d import FastPathSettings, gqa_sdpa_attention_forward
 from .generation_d3d import D3DCandidateGenerator
 from .hooks_d3d import install_generation_hook
 from .initialization_d3d import from_autoregressive
+from .vocabulary_d3d import expand_draft_logits, set_draft_vocabulary
 from .layers_d3d import (
     D3DDecoderLayer,
     D3DMaskEmbedding,
@@ -349,7 +350,12 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
             # embeddings and LM head are the target's tensors (`attach_target_weights`), not tied copies stored here
             self._tied_weights_keys = {}
         self.model = D3DModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        head_rows = config.draft_vocab_size or config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, head_rows, bias=False)
+        if config.draft_vocab_size:
+            # the target id of each LM-head row (FR-Spec draft vocabulary); set by `set_draft_vocabulary`
+            self._tied_weights_keys = {}
+            self.register_buffer("draft_vocab_ids", torch.arange(head_rows, dtype=torch.long), persistent=True)
         self.model._output_embeddings = weakref.ref(self)  # whose LM head runs on `autotune_matmuls` too
         self.post_init()
         install_generation_hook()
@@ -361,6 +367,15 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         if config.shares_target_weights:
             # only drafter-specific weights are stored; the rest comes from the target (`attach_target_weights`)
             self._keys_to_ignore_on_load_missing = [r"^(?!.*(lora_A|lora_B|mask_embedding)).*$"]
+
+    def set_draft_vocabulary(self, token_ids, source_head: torch.Tensor | None = None) -> None:
+        """Sets the target ids the LM head covers: `vocabulary_d3d.set_draft_vocabulary(self, ...)` (arguments and
+        errors there)."""
+        set_draft_vocabulary(self, token_ids, source_head)
+
+    def expand_draft_logits(self, logits: torch.FloatTensor) -> torch.FloatTensor:
+        """`(..., draft_vocab_size)` -> `(..., vocab_size)` logits: `vocabulary_d3d.expand_draft_logits`."""
+        return expand_draft_logits(logits, self.draft_vocab_ids, self.config.vocab_size)
 
     @staticmethod
     def is_drafter_specific(name: str) -> bool:
@@ -524,6 +539,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         logits_to_keep: int = 0,
         block_positions: torch.BoolTensor | None = None,
         packed_metadata: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        draft_vocab_logits: bool = False,
     ) -> D3DModelOutput:
         r"""
         Runs the drafter. Arguments as in `D3DModel.forward`, plus:
@@ -531,9 +547,14 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         Args:
             logits_to_keep (`int`, defaults to 0):
                 Compute logits only for the last `logits_to_keep` positions (0 = all positions).
+            draft_vocab_logits (`bool`, defaults to `False`):
+                With a draft vocabulary (`config.draft_vocab_size`), return the LM head's own logits over the
+                draft-vocabulary rows (what training scores) instead of full-vocabulary ones. Ignored without one.
 
         Returns:
-            `D3DModelOutput` with `logits` of shape `(batch_size, num_kept, vocab_size)` in the model dtype.
+            `D3DModelOutput` with `logits` of shape `(batch_size, num_kept, vocab_size)` in the model dtype (with a
+            draft vocabulary: ids outside it at the dtype's lowest value, see `expand_draft_logits`; or
+            `(batch_size, num_kept, draft_vocab_size)` with `draft_vocab_logits=True`).
 
         Raises:
             RuntimeError: for a `shares_target_weights` drafter whose target weights are not attached.
@@ -555,6 +576,8 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         if logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
         outputs.logits = self.model._lm_head_logits(self.lm_head, hidden_states)
+        if self.config.draft_vocab_size and not draft_vocab_logits:
+            outputs.logits = self.expand_draft_logits(outputs.logits)
         return outputs
 
     def draft_logits(
@@ -601,7 +624,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         """Initialises a drafter from an autoregressive causal LM of the same tokenizer:
         `initialization_d3d.from_autoregressive(cls, model, ...)` (keyword arguments `num_layers`, `layer_ids`,
         `block_size`, `mask_token_id`, `source_model`, `target_model`, `block_lora_rank`, `block_lora_alpha`,
-        `shares_target_weights`; their meaning, the returns and the errors there)."""
+        `shares_target_weights`, `draft_vocab_ids`; their meaning, the returns and the errors there)."""
         return from_autoregressive(cls, model, *args, **kwargs)
 
 

@@ -175,7 +175,48 @@ def load_drafter_config(name_or_path: str) -> D3DConfig:
     return config
 
 
+def draft_vocabulary(token_rows, size: int, vocab_size: int, always: list[int] | tuple[int, ...] = ()) -> list[int]:
+    """The `size` ids a draft vocabulary covers (FR-Spec, arXiv 2502.14856): `always` first, then the most frequent ids
+    of `token_rows` (ties broken by the smaller id), then the smallest unused ids if the rows hold fewer.
+
+    Args:
+        token_rows (iterable of `list[int]`): token-id sequences, e.g. the `response_ids` of the target's answers
+            (what the drafter will draft).
+        size (`int`): ids to return, in [1, vocab_size].
+        vocab_size (`int`): the target's vocabulary size.
+        always (`list[int]`): ids kept whatever their count (the end-of-turn / eos ids).
+
+    Returns:
+        `list[int]` of `size` distinct ids in `[0, vocab_size)`, in the order above (the LM head's row order).
+
+    Raises:
+        ValueError: `size` outside [1, vocab_size], an id outside the vocabulary, or more `always` ids than `size`.
+    """
+    from collections import Counter
+
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= vocab_size:
+        raise ValueError(f"A draft vocabulary size must be an int in [1, {vocab_size}], got {size!r}.")
+    always = list(dict.fromkeys(int(i) for i in always))
+    if len(always) > size:
+        raise ValueError(f"{len(always)} ids must always be kept, more than the draft vocabulary's {size}.")
+    counts: Counter = Counter()
+    for row in token_rows:
+        counts.update(int(t) for t in row)
+    if any(not 0 <= t < vocab_size for t in [*counts, *always]):
+        raise ValueError(f"Token ids must be in [0, {vocab_size}): the rows or `always` hold one outside.")
+    chosen = dict.fromkeys(always)
+    for token, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
+        if len(chosen) >= size:
+            break
+        chosen.setdefault(token)
+    filler = (t for t in range(vocab_size) if t not in chosen)
+    while len(chosen) < size:
+        chosen.setdefault(next(filler))
+    return list(chosen)
+
+
 __all__ = [
+    "draft_vocabulary",
     "KNOWN_DRAFTERS",
     "D3DForDiffusionDrafting",
     "ensure_writable_dir",

@@ -30,7 +30,8 @@ from .sources import (
     refuse_evaluation_rows,
 )
 from .stdlib import MAX_SOURCE_CHARS, STDLIB_KINDS, STDLIB_LICENSE, stdlib_prompts, stdlib_source_info
-from .synthetic import SYNTHETIC_SOURCES, chat_instructions, math_word_problems
+from .synthetic import chat_instructions, math_word_problems
+from .synthetic_extra import SYNTHETIC_SOURCES, more_chat_instructions, more_math_word_problems
 
 __all__ = [
     "EVALUATION_SETS",
@@ -48,6 +49,8 @@ __all__ = [
     "load_prompt_sources",
     "load_prompts",
     "math_word_problems",
+    "more_chat_instructions",
+    "more_math_word_problems",
     "near_evaluation_match",
     "refuse_evaluation_rows",
     "stdlib_prompts",

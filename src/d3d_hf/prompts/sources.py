@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from .benchmarks import PROMPT_SETS, load_prompts
 from .prompt import Prompt
 from .stdlib import stdlib_prompts
-from .synthetic import SYNTHETIC_SOURCES
+from .synthetic_extra import SYNTHETIC_SOURCES
 
 EVALUATION_SETS = frozenset(PROMPT_SETS)
 """Prompt sets used for evaluation (every set the bench knows); :func:`load_prompt_sources` refuses them for

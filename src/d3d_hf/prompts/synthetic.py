@@ -282,18 +282,4 @@ def chat_instructions(limit: int = 400, seed: int = 0) -> list[Prompt]:
     return _round_robin([template(t) for t in _CHAT_TEMPLATES] + [_extraction], limit, seed, "chat")
 
 
-def _synthetic_sources() -> dict[str, Callable[..., list[Prompt]]]:
-    from .synthetic_extra import more_chat_instructions, more_math_word_problems
-
-    return {
-        "math": math_word_problems,
-        "chat": chat_instructions,
-        "math-extra": more_math_word_problems,
-        "chat-extra": more_chat_instructions,
-    }
-
-
-SYNTHETIC_SOURCES: dict[str, Callable[..., list[Prompt]]] = _synthetic_sources()
-"""The templated prompt sources by the name :func:`~d3d_hf.prompts.load_prompt_sources` knows them."""
-
-__all__ = ["SYNTHETIC_SOURCES", "chat_instructions", "math_word_problems"]
+__all__ = ["chat_instructions", "math_word_problems"]

@@ -21,7 +21,7 @@ import random
 from collections.abc import Callable
 
 from .prompt import Prompt
-from .synthetic import _NAMES, _round_robin
+from .synthetic import _NAMES, _round_robin, chat_instructions, math_word_problems
 
 _SUBJECTS = (
     "a neighbourhood cleanup day", "learning to cook", "a new bus route", "a community garden", "a school science fair",
@@ -251,4 +251,12 @@ def more_chat_instructions(limit: int = 400, seed: int = 0) -> list[Prompt]:
     return _round_robin(makers, limit, seed, "chat-extra")
 
 
-__all__ = ["more_chat_instructions", "more_math_word_problems"]
+SYNTHETIC_SOURCES: dict[str, Callable[..., list[Prompt]]] = {
+    "math": math_word_problems,
+    "chat": chat_instructions,
+    "math-extra": more_math_word_problems,
+    "chat-extra": more_chat_instructions,
+}
+"""The templated prompt sources by the name :func:`~d3d_hf.prompts.load_prompt_sources` knows them."""
+
+__all__ = ["SYNTHETIC_SOURCES", "more_chat_instructions", "more_math_word_problems"]

@@ -64,6 +64,18 @@ def _position_weights(span: int, gamma: float, device) -> torch.Tensor:
     return torch.exp(-j / gamma)
 
 
+def _draft_vocab_index(drafter, device) -> torch.LongTensor | None:
+    """For a drafter with a draft vocabulary: target id -> its row of the LM head, -1 for ids outside; else `None`."""
+    unwrapped = getattr(drafter, "module", drafter)  # DistributedDataParallel wraps the model
+    base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped  # a PEFT model
+    if not getattr(base.config, "draft_vocab_size", None):
+        return None
+    index = torch.full((base.config.vocab_size,), -1, dtype=torch.long, device=device)
+    ids = base.draft_vocab_ids.to(device)
+    index[ids] = torch.arange(ids.numel(), device=device)
+    return index
+
+
 def d3d_losses(
     drafter: D3DForDiffusionDrafting,
     inputs: dict[str, torch.Tensor],
@@ -93,7 +105,8 @@ def d3d_losses(
     Returns:
         `dict` with scalar float32 tensors `block_loss` (weighted mean over scored block positions; 0 when none),
         `ar_loss` (mean next-token loss over response tokens; 0 when not computed), and counts `block_tokens`,
-        `ar_tokens`. A loss with nothing to score is an exact 0 that is still connected to the forward passes, so a
+        `ar_tokens`. With a draft vocabulary (`config.draft_vocab_size`) both losses are over the LM head's rows and
+        a target token outside the draft vocabulary is not scored (it can never be drafted). A loss with nothing to score is an exact 0 that is still connected to the forward passes, so a
         batch of sequences too short to score trains as a zero-gradient step instead of failing in `backward`.
     """
     input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
@@ -105,6 +118,10 @@ def d3d_losses(
     if loss_mask is not None:
         loss_mask = loss_mask.to(device=device, dtype=torch.bool)
 
+    # a draft vocabulary (FR-Spec): losses over the LM head's own rows; a target outside it cannot be drafted and is
+    # not scored
+    vocab_index = _draft_vocab_index(drafter, device)
+    head_kwargs = {} if vocab_index is None else {"draft_vocab_logits": True}
     cache = D3DCache()
     with torch.set_grad_enabled(clean_requires_grad and torch.is_grad_enabled()):
         clean = drafter(
@@ -121,11 +138,15 @@ def d3d_losses(
             keep = (positions >= (inputs["response_start"][:, None] - 1)) & attention_mask[:, 1:].bool()
         else:
             keep = loss_mask[:, 1:] & attention_mask[:, 1:].bool()
+        ar_targets = input_ids[:, 1:]
+        if vocab_index is not None:
+            ar_targets = vocab_index[ar_targets]
+            keep = keep & (ar_targets >= 0)
         if keep.any():
             unwrapped = getattr(drafter, "module", drafter)  # DistributedDataParallel wraps the model
             head = unwrapped.get_output_embeddings()
             logits = head(hidden[keep]).float()
-            losses["ar_loss"] = F.cross_entropy(logits, input_ids[:, 1:][keep])
+            losses["ar_loss"] = F.cross_entropy(logits, ar_targets[keep])
         else:
             losses["ar_loss"] = clean.last_hidden_state[:, :0].float().sum()  # 0, on the autograd graph if any
         losses["ar_tokens"] = keep.sum()
@@ -154,6 +175,9 @@ def d3d_losses(
     if loss_mask is not None:  # a block that runs into tokens not to learn (a user turn) does not score them
         scored = scored & torch.gather(loss_mask, 1, target_pos.clamp(max=length - 1).view(batch, -1)).view_as(pos)
     targets = torch.gather(input_ids, 1, target_pos.clamp(max=length - 1).view(batch, -1)).view_as(pos)
+    if vocab_index is not None:
+        targets = vocab_index[targets]
+        scored = scored & (targets >= 0)
 
     attn = block_diffusion_attention_mask(anchors, attention_mask, block_size)
     noisy = drafter(
@@ -164,6 +188,7 @@ def d3d_losses(
         position_ids=pos.view(batch, -1),
         past_key_values=cache,
         use_cache=True,
+        **head_kwargs,
     )
     weights = _position_weights(span, gamma, device)[None, None].expand_as(pos) * scored
     if scored.any():

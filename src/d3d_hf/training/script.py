@@ -37,6 +37,10 @@ class D3DTrainScriptArguments:
         init_block_size (`int`, defaults to 16): block size of a newly initialised drafter.
         shares_target_weights (`bool`, defaults to `True`): a newly initialised drafter references the target's
             weights and saves only its own (valid with `train_mode="block_adapter"`; ignored otherwise).
+        draft_vocab_size (`int`, *optional*): a newly initialised standalone drafter (`shares_target_weights=False`)
+            gets a draft vocabulary (FR-Spec, arXiv 2502.14856): its LM head covers only the `draft_vocab_size` ids
+            most frequent in the training rows' responses, plus the target's eos ids (`d3d_hf.drafters.
+            draft_vocabulary`); default the full vocabulary.
         dtype (`str`, defaults to `"float32"`): dtype of the target (and shared weights) during training.
         tau_holdout (`int`, defaults to 4): rows held out of training (the last ones) whose prompts measure tau
             every `tau_eval_steps` (a conversational row's prompt is its messages before the last assistant turn).
@@ -53,6 +57,9 @@ class D3DTrainScriptArguments:
     init_block_size: int = field(default=16, metadata={"help": "Block size of a new drafter."})
     shares_target_weights: bool = field(default=True, metadata={"help": "New drafter references target weights."})
     dtype: str = field(default="float32", metadata={"help": "Training dtype of the target."})
+    draft_vocab_size: int | None = field(
+        default=None, metadata={"help": "A new standalone drafter's LM head covers the N most frequent answer ids."}
+    )
     tau_holdout: int = field(default=4, metadata={"help": "Rows held out for tau evaluation."})
     max_samples: int | None = field(default=None, metadata={"help": "Train on the first N rows (learning curves)."})
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads."})
@@ -66,9 +73,9 @@ class D3DTrainScriptArguments:
                 needs a mask), `tau_holdout` below 0, or a `dtype` other than float32, bfloat16, float16.
         """
         names = (("num_layers", 1), ("init_block_size", 2), ("tau_holdout", 0), ("threads", 1), ("max_samples", 1))
-        for name, low in names:
+        for name, low in (*names, ("draft_vocab_size", 1)):
             value = getattr(self, name)
-            if value is None and name in ("num_layers", "threads", "max_samples"):
+            if value is None and name in ("num_layers", "threads", "max_samples", "draft_vocab_size"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"--{name} must be a whole number >= {low}, got {value!r}.")
@@ -190,6 +197,22 @@ def train_drafter(script: D3DTrainScriptArguments, config: D3DTrainingConfig) ->
             drafter.attach_target_weights(target)
     else:
         shares = script.shares_target_weights and config.train_mode == "block_adapter"
+        vocab_ids = None
+        if script.draft_vocab_size is not None:
+            if shares:
+                raise ValueError(
+                    "--draft_vocab_size needs a standalone drafter: pass --shares_target_weights false (and "
+                    "--train_mode full), since a drafter that shares the target's weights uses its full LM head."
+                )
+            from ..drafters import draft_vocabulary
+
+            eos = target.generation_config.eos_token_id
+            vocab_ids = draft_vocabulary(
+                (row["response_ids"] for row in train_rows if "response_ids" in row),
+                script.draft_vocab_size,
+                target.config.vocab_size,
+                always=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            )
         drafter = D3DForDiffusionDrafting.from_autoregressive(
             target,
             num_layers=script.num_layers,
@@ -197,6 +220,7 @@ def train_drafter(script: D3DTrainScriptArguments, config: D3DTrainingConfig) ->
             source_model=script.target,
             target_model=script.target,
             shares_target_weights=shares,
+            draft_vocab_ids=vocab_ids,
         )
     if drafter.config.shares_target_weights and config.train_mode != "block_adapter":
         raise ValueError("A drafter that shares the target's weights can only train with train_mode=block_adapter.")
