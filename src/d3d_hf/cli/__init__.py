@@ -36,7 +36,7 @@ def add_generation_option_arguments(parser) -> None:
     """One flag per user option of `D3DGenerationOptions` (the declaration's doc and default as help; booleans as
     `--flag` / `--no-flag`); the values are checked when the options are resolved. Options no bench method takes
     (`d3d_async`: the `d3d-async` method sets it) get no flag."""
-    from .modeling.options_d3d import D3DGenerationOptions, parse_option_text
+    from ..modeling.options_d3d import D3DGenerationOptions, parse_option_text
 
     for field in D3DGenerationOptions.option_fields(internal=False):
         methods = OPTION_METHODS.get(field.name)
@@ -277,8 +277,8 @@ def _domain_counts(text: str) -> dict[str, int]:
 
 
 def _magpie(args) -> int:
-    from .prompts.magpie import magpie_requests
-    from .targets import load_target
+    from ..prompts.magpie import magpie_requests
+    from ..targets import load_target
 
     target, tokenizer = load_target(args.target, dtype=args.dtype)
     prompts = magpie_requests(
@@ -290,9 +290,9 @@ def _magpie(args) -> int:
 
 
 def _init_drafter(args) -> int:
-    from .drafters import D3DForDiffusionDrafting
-    from .targets import load_target, resolve_model
-    from .utils import ensure_writable_dir
+    from ..drafters import D3DForDiffusionDrafting
+    from ..targets import load_target, resolve_model
+    from ..utils import ensure_writable_dir
 
     output = ensure_writable_dir(args.output, args.overwrite)
     layer_ids = args.layer_ids
@@ -323,7 +323,7 @@ def _check_option_values(args) -> None:
     Raises:
         ValueError: naming the flag and what it accepts.
     """
-    from .modeling.options_d3d import D3DGenerationOptions
+    from ..modeling.options_d3d import D3DGenerationOptions
 
     fields = {f.name: f for f in D3DGenerationOptions.option_fields()}
     for name, value in given_generation_options(args).items():
@@ -360,7 +360,7 @@ def _check_drafter_options(args) -> None:
     needs_config = needs_config or given_block is not None
     if not getattr(args, "drafter", None) or not needs_config:
         return
-    from .drafters import load_drafter_config
+    from ..drafters import load_drafter_config
 
     config = load_drafter_config(args.drafter)
     if given_block is not None and given_block > config.max_position_embeddings:
@@ -390,8 +390,8 @@ def _check_drafter_options(args) -> None:
 
 
 def _load_pair(args):
-    from .drafters import load_drafter
-    from .targets import load_target
+    from ..drafters import load_drafter
+    from ..targets import load_target
 
     drafter = load_drafter(args.drafter, dtype=args.dtype) if args.drafter else None
     target_name = args.target or (drafter.config.target_model if drafter is not None else None)
@@ -410,7 +410,7 @@ def _load_pair(args):
 def _generate(args) -> int:
     from transformers import TextStreamer
 
-    from .prompts import Prompt, encode_prompt
+    from ..prompts import Prompt, encode_prompt
 
     sampling = {"--temperature": args.temperature, "--top-k": args.top_k, "--top-p": args.top_p}
     given = [flag for flag, value in sampling.items() if value is not None]
@@ -456,8 +456,8 @@ def _check_output_file(output: Path | None, overwrite: bool, flag: str = "--outp
 def _load_assistant(name: str, dtype: str, tokenizer, target):
     """Loads an autoregressive assistant (`assistants.load_assistant`: a shipped name, a layers-only folder that takes
     the target's embeddings, or any causal LM) and checks that it shares the target's tokenizer."""
-    from .assistants import is_layers_only, load_assistant, resolve_assistant
-    from .targets import load_target
+    from ..assistants import is_layers_only, load_assistant, resolve_assistant
+    from ..targets import load_target
 
     try:
         folder = resolve_assistant(name)
@@ -478,7 +478,7 @@ def _load_assistant(name: str, dtype: str, tokenizer, target):
 
 
 def _bench(args) -> int:
-    from .bench import (
+    from ..bench import (
         METHODS,
         environment_info,
         format_round_plans,
@@ -487,13 +487,13 @@ def _bench(args) -> int:
         run_benchmark,
         unknown_methods,
     )
-    from .prompts import load_prompts
+    from ..prompts import load_prompts
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = unknown_methods(methods)
     if unknown:
         raise ValueError(f"unknown --methods {unknown}; choose from {list(METHODS)}")
-    from .modeling.options_d3d import D3DGenerationOptions
+    from ..modeling.options_d3d import D3DGenerationOptions
 
     fields = {f.name: f for f in D3DGenerationOptions.option_fields()}
     unused = {}
@@ -515,7 +515,7 @@ def _bench(args) -> int:
     _check_output_file(output, args.overwrite)
     output_dir = Path(args.output_dir) if args.output_dir else None
     if output_dir is not None:
-        from .utils import ensure_writable_dir
+        from ..utils import ensure_writable_dir
 
         ensure_writable_dir(output_dir, args.overwrite)
         _check_output_file(output_dir / "results.json", True, "--output-dir")
@@ -589,7 +589,7 @@ def _bench(args) -> int:
         **environment_info(),
     }
     if args.cost_model:
-        from .costmodel import format_cost_model, measure_cost_model, predict_speedups
+        from ..costmodel import format_cost_model, measure_cost_model, predict_speedups
 
         uses_drafter = drafter is not None and any(METHODS[m].cost_model in ("sync", "async") for m in methods)
         cost = measure_cost_model(target, drafter if uses_drafter else None, prefix_length=args.cost_prefix_length)
@@ -610,7 +610,7 @@ def _bench(args) -> int:
         output.write_text(json.dumps(result, indent=2))
         print(f"\nwrote {output}")
     if output_dir is not None:
-        from .report import write_report
+        from ..report import write_report
 
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "results.json").write_text(json.dumps(result, indent=2))
@@ -620,8 +620,8 @@ def _bench(args) -> int:
 
 
 def _report(args) -> int:
-    from .report import write_report
-    from .utils import ensure_writable_dir
+    from ..report import write_report
+    from ..utils import ensure_writable_dir
 
     results = []
     for path in args.results:
@@ -635,7 +635,7 @@ def _report(args) -> int:
 
 
 def _cost_model(args) -> int:
-    from .costmodel import format_cost_model, measure_cost_model
+    from ..costmodel import format_cost_model, measure_cost_model
 
     output = Path(args.output) if args.output else None
     _check_output_file(output, args.overwrite)
@@ -658,16 +658,16 @@ def _cost_model(args) -> int:
 
 
 def _export_causal_lm(args) -> int:
-    from .convert import export_causal_lm
-    from .drafters import load_drafter
-    from .utils import ensure_writable_dir
+    from ..convert import export_causal_lm
+    from ..drafters import load_drafter
+    from ..utils import ensure_writable_dir
 
     output = ensure_writable_dir(args.output, args.overwrite)
     drafter = load_drafter(args.drafter, dtype=args.dtype)
     tokenizer = None
     target = None
     if drafter.config.shares_target_weights:
-        from .targets import load_target
+        from ..targets import load_target
 
         target_name = args.target or drafter.config.target_model
         if not target_name:
@@ -688,8 +688,8 @@ def _export_causal_lm(args) -> int:
 
 
 def _data(args) -> int:
-    from .data import generate_dataset, load_prompt_sources
-    from .targets import load_target
+    from ..data import generate_dataset, load_prompt_sources
+    from ..targets import load_target
 
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
@@ -762,9 +762,9 @@ def _add_hub_commands(sub) -> None:
 def _push(args) -> int:
     from transformers import AutoConfig
 
-    from .drafters import load_drafter
-    from .hub import DrafterCardData, is_generated_card, load_card_data, result_from_benchmark
-    from .modeling import D3DConfig
+    from ..drafters import load_drafter
+    from ..hub import DrafterCardData, is_generated_card, load_card_data, result_from_benchmark
+    from ..modeling import D3DConfig
 
     folder = Path(args.drafter)
     if not folder.is_dir():
@@ -812,8 +812,8 @@ def _push(args) -> int:
 
 
 def _convert(args) -> int:
-    from .convert import convert_autoregressive_checkpoint, load_published_d3d_checkpoint
-    from .utils import ensure_writable_dir
+    from ..convert import convert_autoregressive_checkpoint, load_published_d3d_checkpoint
+    from ..utils import ensure_writable_dir
 
     layer_ids = args.layer_ids
     if args.published_d3d:
@@ -860,10 +860,10 @@ def _convert(args) -> int:
 def _prune(args) -> int:
     from dataclasses import asdict
 
-    from .data import load_prompt_sources
-    from .prompts import encode_prompt
-    from .pruning import PATH_FILE, PLOT_FILE, STATE_FILE, plot_pruning_path, prune_drafter
-    from .utils import ensure_writable_dir
+    from ..data import load_prompt_sources
+    from ..prompts import encode_prompt
+    from ..pruning import PATH_FILE, PLOT_FILE, STATE_FILE, plot_pruning_path, prune_drafter
+    from ..utils import ensure_writable_dir
 
     output = Path(args.output)
     if not (output / STATE_FILE).exists():  # a folder with a state is resumed; anything else needs --overwrite
@@ -916,7 +916,7 @@ def main(argv: list[str] | None = None) -> int:
         # `train` takes every D3DTrainingConfig (trl.SFTConfig) field and `--config FILE.yaml`, parsed by trl.TrlParser
         import d3d_hf  # noqa: F401
 
-        from .training import main as train_main
+        from ..training import main as train_main
 
         try:
             return train_main(argv[1:])

@@ -65,11 +65,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .modeling.calibration_d3d import cpu_model
-from .modeling.options_d3d import D3DGenerationOptions
-from .modeling.runtime_d3d import RoundClock
-from .prompts import Prompt, encode_prompt
-from .utils import library_versions
+from ..modeling.calibration_d3d import cpu_model
+from ..modeling.options_d3d import D3DGenerationOptions
+from ..modeling.runtime_d3d import RoundClock
+from ..prompts import Prompt, encode_prompt
+from ..utils import library_versions
 
 
 @dataclass

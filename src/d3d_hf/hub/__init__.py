@@ -50,7 +50,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .utils import library_versions
+from ..utils import library_versions
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -398,7 +398,7 @@ def render_model_card(
     import jinja2
     from huggingface_hub import ModelCardData
 
-    from .modeling.hooks_d3d import SUPPORTED_TRANSFORMERS
+    from ..modeling.hooks_d3d import SUPPORTED_TRANSFORMERS
 
     config = getattr(drafter_or_config, "config", drafter_or_config)
     model = drafter_or_config if hasattr(drafter_or_config, "config") else None
