@@ -277,12 +277,63 @@ def load_published_d3d_checkpoint(
         ValueError: if the config is not Qwen3-like, the weight names do not follow the Qwen3 layout, shapes
             disagree with the config, or (with `strict`) tensors are left over. The message lists examples.
     """
-    from safetensors import safe_open
-    from transformers import Qwen3Config
-
-    from .modeling import D3DConfig, D3DForDiffusionDrafting
+    from .modeling import D3DForDiffusionDrafting
 
     folder = Path(folder)
+    raw, qcfg = _published_config(folder)
+    state = _read_safetensors(folder)
+    prefix = _find_prefix(list(state))
+    mapped, layers, tie, mask_vector, mask_key = _take_published_tensors(state, prefix, qcfg.hidden_size, folder)
+    if mask_token_id is None:
+        mask_token_id = next((int(raw[k]) for k in _MASK_ID_KEYS if raw.get(k) is not None), None)
+    if mask_token_id is not None and mask_vector is not None:  # an explicit / recorded mask id wins
+        state[mask_key] = mask_vector
+        mask_vector = None
+    _check_leftover_tensors(state, folder, strict)
+    if not layers:
+        raise ValueError(f"No decoder layers `{prefix}layers.N.*` in {folder}.")
+
+    found_ids, source_layer_ids, use_qk_norm = _renumber_layers(layers, mapped, raw, qcfg.num_hidden_layers)
+    if block_size is None:
+        block_size = next((int(raw[k]) for k in _BLOCK_SIZE_KEYS if raw.get(k) is not None), None)
+        if block_size is None:
+            block_size = 16
+            warnings.warn("No block size in config.json; using 16 (pass `block_size=` to override).", stacklevel=2)
+    tokenizer = _load_tokenizer(folder)
+    if mask_token_id is None and mask_vector is None:
+        mask_token_id = _fallback_mask_token_id(tokenizer, qcfg.vocab_size)
+
+    config = _published_d3d_config(
+        qcfg,
+        raw,
+        num_hidden_layers=len(found_ids),
+        use_qk_norm=use_qk_norm,
+        tie_word_embeddings=tie or bool(raw.get("tie_word_embeddings", False)),
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        source_model=source_model or raw.get("source_model") or str(folder),
+        source_layer_ids=source_layer_ids,
+        target_model=target_model or raw.get("target_model"),
+    )
+    ref = mapped["model.embed_tokens.weight"]
+    drafter = D3DForDiffusionDrafting(config).to(dtype=ref.dtype)
+    _load_mapped_weights(drafter, mapped, mask_vector, folder)
+    if dtype is not None and dtype != "auto":
+        from .targets import parse_dtype
+
+        drafter = drafter.to(parse_dtype(dtype))
+    return drafter.eval()
+
+
+def _published_config(folder: Path):
+    """`(config.json as a dict, its transformers Qwen3Config)` of a published D3D checkpoint folder.
+
+    Raises:
+        ValueError: if the folder is already a d3d-hf drafter, or its config is not a dense Qwen3-style one (or uses
+            sliding-window attention).
+    """
+    from transformers import Qwen3Config
+
     raw = _read_config(folder)
     model_type = str(raw.get("model_type", ""))
     if model_type == "d3d" and "use_qk_norm" in raw:
@@ -301,15 +352,31 @@ def load_published_d3d_checkpoint(
         raise ValueError(f"{folder}/config.json is not a valid Qwen3-style config: {err}") from err
     if getattr(qcfg, "use_sliding_window", False):
         raise ValueError(f"{folder} uses sliding-window attention, which D3D drafters do not implement.")
+    return raw, qcfg
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files, by name."""
+    from safetensors import safe_open
 
     state: dict[str, torch.Tensor] = {}
     for path in _safetensors_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 state[key] = f.get_tensor(key)
-    prefix = _find_prefix(list(state))
-    hidden = qcfg.hidden_size
+    return state
 
+
+def _take_published_tensors(state: dict[str, torch.Tensor], prefix: str, hidden: int, folder: Path):
+    """Takes out of `state` the tensors a D3D drafter has a place for: returns `(mapped, layers, tie, mask_vector,
+    mask_key)`, the embeddings, final norm and LM head under the drafter's names (`mapped`), the decoder layers'
+    tensors by file layer index (`layers`), whether the LM head is absent (tied), and the mask-embedding-like tensor
+    with its name (`None` when there is none). What is left in `state` has no place in the drafter.
+
+    Raises:
+        ValueError: if the final norm is missing, there are several LM heads or mask tensors, or the mask tensor's
+            shape is not `(hidden,)`.
+    """
     layer_re = re.compile(rf"^{re.escape(prefix)}layers\.(\d+)\.(.+)$")
     layers: dict[int, dict[str, torch.Tensor]] = {}
     mapped: dict[str, torch.Tensor] = {
@@ -325,7 +392,7 @@ def load_published_d3d_checkpoint(
     tie = not lm_heads
     if lm_heads:
         mapped["lm_head.weight"] = state.pop(lm_heads[0])
-    mask_vector = None
+    mask_vector, mask_key = None, None
     for key in list(state):
         match = layer_re.match(key)
         if match:
@@ -340,11 +407,15 @@ def load_published_d3d_checkpoint(
                 raise ValueError(f"Several mask-embedding-like tensors in {folder}: {key} and an earlier one.")
             mask_vector = state.pop(key).reshape(hidden)
             mask_key = key
-    if mask_token_id is None:
-        mask_token_id = next((int(raw[k]) for k in _MASK_ID_KEYS if raw.get(k) is not None), None)
-    if mask_token_id is not None and mask_vector is not None:  # an explicit / recorded mask id wins
-        state[mask_key] = mask_vector
-        mask_vector = None
+    return mapped, layers, tie, mask_vector, mask_key
+
+
+def _check_leftover_tensors(state: dict[str, torch.Tensor], folder: Path, strict: bool) -> None:
+    """Refuses (`strict`) or warns about the tensors left in `state` (rotary inverse frequencies aside).
+
+    Raises:
+        ValueError: with `strict`, if any is left.
+    """
     leftover = sorted(k for k in state if not k.endswith("rotary_emb.inv_freq"))
     if leftover:
         message = (
@@ -353,16 +424,21 @@ def load_published_d3d_checkpoint(
         )
         if strict:
             raise ValueError(message + " Pass strict=False to drop them (only if you know they are unused).")
-        warnings.warn(message + " Dropped.", stacklevel=2)
-    if not layers:
-        raise ValueError(f"No decoder layers `{prefix}layers.N.*` in {folder}.")
+        warnings.warn(message + " Dropped.", stacklevel=3)  # at the caller of load_published_d3d_checkpoint
 
+
+def _renumber_layers(
+    layers: dict[int, dict[str, torch.Tensor]], mapped: dict[str, torch.Tensor], raw: dict[str, Any], config_layers: int
+):
+    """Adds the layers' tensors to `mapped` as layers `0..n-1` in file order; returns `(found_ids, source_layer_ids,
+    use_qk_norm)`: the file's layer indices, the source layer ids to record (the file's indices when they are not
+    `0..n-1`, else config.json's), and whether the layers have q/k norms. Warns when config.json counts otherwise."""
     found_ids = sorted(layers)
-    if len(found_ids) != qcfg.num_hidden_layers:
+    if len(found_ids) != config_layers:
         warnings.warn(
-            f"config.json says {qcfg.num_hidden_layers} layers but the weights hold {len(found_ids)} "
+            f"config.json says {config_layers} layers but the weights hold {len(found_ids)} "
             f"(indices {found_ids}); using the weights.",
-            stacklevel=2,
+            stacklevel=3,  # at the caller of load_published_d3d_checkpoint
         )
     source_layer_ids = raw.get("source_layer_ids")
     if found_ids != list(range(len(found_ids))):
@@ -371,35 +447,53 @@ def load_published_d3d_checkpoint(
         for name, tensor in layers[old_idx].items():
             mapped[f"model.layers.{new_idx}.{name}"] = tensor
     use_qk_norm = "self_attn.q_norm.weight" in layers[found_ids[0]]
+    return found_ids, source_layer_ids, use_qk_norm
 
-    if block_size is None:
-        block_size = next((int(raw[k]) for k in _BLOCK_SIZE_KEYS if raw.get(k) is not None), None)
-        if block_size is None:
-            block_size = 16
-            warnings.warn("No block size in config.json; using 16 (pass `block_size=` to override).", stacklevel=2)
-    tokenizer = _load_tokenizer(folder)
-    if mask_token_id is None and mask_vector is None:
-        mask_token_id = getattr(tokenizer, "mask_token_id", None) if tokenizer is not None else None
-        if mask_token_id is None:
-            mask_token_id = spare_mask_token_id(qcfg.vocab_size, tokenizer)
-            warnings.warn(
-                "No mask token recorded in the checkpoint: "
-                + (
-                    f"using the first spare id {mask_token_id}; its row may not be the trained mask embedding."
-                    if mask_token_id is not None
-                    else "using a fresh, untrained separate mask embedding."
-                ),
-                stacklevel=2,
-            )
 
+def _fallback_mask_token_id(tokenizer: PreTrainedTokenizerBase | None, vocab_size: int) -> int | None:
+    """The mask token of a checkpoint that records none: the tokenizer's `mask_token`, else the first spare id
+    (warning: its row may not be the trained mask), else `None`, a fresh separate mask embedding (warning)."""
+    mask_token_id = getattr(tokenizer, "mask_token_id", None) if tokenizer is not None else None
+    if mask_token_id is None:
+        mask_token_id = spare_mask_token_id(vocab_size, tokenizer)
+        warnings.warn(
+            "No mask token recorded in the checkpoint: "
+            + (
+                f"using the first spare id {mask_token_id}; its row may not be the trained mask embedding."
+                if mask_token_id is not None
+                else "using a fresh, untrained separate mask embedding."
+            ),
+            stacklevel=3,  # at the caller of load_published_d3d_checkpoint
+        )
+    return mask_token_id
+
+
+def _published_d3d_config(
+    qcfg,
+    raw: dict[str, Any],
+    *,
+    num_hidden_layers: int,
+    use_qk_norm: bool,
+    tie_word_embeddings: bool,
+    block_size: int,
+    mask_token_id: int | None,
+    source_model: str,
+    source_layer_ids: list[int] | None,
+    target_model: str | None,
+):
+    """The `D3DConfig` of a published checkpoint: the shapes, norms and RoPE of its Qwen3 config, the special token
+    ids of its config.json, and the rest as given."""
+    from .modeling import D3DConfig
+
+    hidden = qcfg.hidden_size
     rope_parameters = dict(getattr(qcfg, "rope_parameters", None) or {})
     rope_parameters.setdefault("rope_type", "default")
     rope_parameters.setdefault("rope_theta", float(getattr(qcfg, "rope_theta", 10000.0) or 10000.0))
-    config = D3DConfig(
+    return D3DConfig(
         vocab_size=qcfg.vocab_size,
         hidden_size=hidden,
         intermediate_size=qcfg.intermediate_size,
-        num_hidden_layers=len(found_ids),
+        num_hidden_layers=num_hidden_layers,
         num_attention_heads=qcfg.num_attention_heads,
         num_key_value_heads=qcfg.num_key_value_heads,
         head_dim=getattr(qcfg, "head_dim", None) or hidden // qcfg.num_attention_heads,
@@ -409,18 +503,29 @@ def load_published_d3d_checkpoint(
         rope_parameters=rope_parameters,
         attention_bias=bool(getattr(qcfg, "attention_bias", False)),
         use_qk_norm=use_qk_norm,
-        tie_word_embeddings=tie or bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=tie_word_embeddings,
         block_size=block_size,
         mask_token_id=mask_token_id,
-        source_model=source_model or raw.get("source_model") or str(folder),
+        source_model=source_model,
         source_layer_ids=source_layer_ids,
-        target_model=target_model or raw.get("target_model"),
+        target_model=target_model,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_id=raw.get("eos_token_id"),
         pad_token_id=raw.get("pad_token_id"),
     )
+
+
+def _load_mapped_weights(
+    drafter: D3DForDiffusionDrafting, mapped: dict[str, torch.Tensor], mask_vector: torch.Tensor | None, folder: Path
+) -> None:
+    """Loads `mapped` into the new `drafter`: a separate mask embedding gets the checkpoint's mask vector, else the
+    mean input embedding (a neutral start); a tied LM head the embeddings.
+
+    Raises:
+        ValueError: if the tensors do not map onto the drafter (missing, unexpected, or of other shapes).
+    """
+    config = drafter.config
     ref = mapped["model.embed_tokens.weight"]
-    drafter = D3DForDiffusionDrafting(config).to(dtype=ref.dtype)
     expected = dict(drafter.state_dict())
     mask_keys = [k for k in expected if "mask_embedding" in k]
     if mask_keys:  # a separate mask embedding: the checkpoint's, else the mean input embedding (neutral start)
@@ -444,11 +549,6 @@ def load_published_d3d_checkpoint(
     drafter.load_state_dict(mapped, strict=False)
     if config.tie_word_embeddings:
         drafter.tie_weights()
-    if dtype is not None and dtype != "auto":
-        from .targets import parse_dtype
-
-        drafter = drafter.to(parse_dtype(dtype))
-    return drafter.eval()
 
 
 def causal_lm_config(config):

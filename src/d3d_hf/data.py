@@ -258,6 +258,114 @@ def _prompt_counts(prompts: Sequence[Prompt]) -> dict:
     return out
 
 
+def _check_generation_arguments(
+    prompts: list[Prompt], max_new_tokens: int, batch_size: int, shard_format: str, temperature: float
+) -> None:
+    """The argument checks of :func:`generate_dataset` (the ``ValueError`` cases of its docstring about them)."""
+    if not prompts:
+        raise ValueError("No prompts given: pass at least one Prompt (e.g. load_prompt_sources('stdlib:100')).")
+    ids = [p.id for p in prompts]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i, n in Counter(ids).items() if n > 1)
+        raise ValueError(f"Duplicate prompt id {dup!r}: prompt ids must be unique.")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+    if shard_format not in ("tokens", "jsonl"):
+        raise ValueError(f"shard_format must be 'tokens' or 'jsonl', got {shard_format!r}.")
+    if not (isinstance(temperature, (int, float)) and temperature >= 0):
+        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}.")
+
+
+def _generation_settings(
+    target,
+    tokenizer,
+    target_name: str | None,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    eos_ids: list[int],
+    pad_id: int,
+) -> dict:
+    """The settings of a :func:`generate_dataset` run, as ``generation_settings.json`` records them (those of
+    ``_RESUME_KEYS`` must match for a later run to resume into the folder)."""
+    dtype = next(target.parameters()).dtype
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return {
+        "format": _FORMAT,
+        "target": target_name or getattr(target, "name_or_path", None) or type(target).__name__,
+        "dtype": str(dtype).removeprefix("torch."),
+        "max_new_tokens": max_new_tokens,
+        "temperature": float(temperature),
+        "decoding": "greedy" if temperature == 0 else "sampling (temperature only, top_k=0, top_p=1)",
+        "seed": seed,
+        "chat_template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(),
+        "eos_token_ids": eos_ids,
+        "pad_token_id": pad_id,
+        "padding": "left, with attention mask",
+        "tokenizer": getattr(tokenizer, "name_or_path", None),
+    }
+
+
+def _pending_prompts(prompts: Sequence[Prompt], done: dict[str, dict], shards: Path) -> list[Prompt]:
+    """The prompts not answered in a shard yet, in their order.
+
+    Raises:
+        ValueError: if a prompt's id is in a shard with other messages.
+    """
+    by_id = {p.id: p for p in prompts}
+    for pid, row in done.items():
+        if pid in by_id and row["messages"] != list(by_id[pid].messages):
+            raise ValueError(
+                f"Prompt {pid!r} is already in {shards} with different messages: the prompt set changed under the "
+                "same ids. Use another output folder, or overwrite=True to start over."
+            )
+    return [p for p in prompts if p.id not in done]
+
+
+def _length_sorted(pending: list[Prompt], encoded: dict[str, list[int]], batch_size: int) -> list[Prompt]:
+    """``pending`` length-sorted within windows of 8 batches."""
+    # little padding, and a run stopped early has answered a prefix of the prompts in their given order (the mix of
+    # sources the caller chose), not only the shortest prompts of all
+    window = 8 * batch_size
+    return [
+        p
+        for w in range(0, len(pending), window)
+        for p in sorted(pending[w : w + window], key=lambda q: len(encoded[q.id]))
+    ]
+
+
+def _write_shard(shards: Path, index: int, rows: list[dict], shard_format: str, tokenizer) -> None:
+    """Writes one batch's rows as shard ``index`` (token ids, or JSON lines with the decoded ``response`` added to
+    the rows), atomically."""
+    if shard_format == "tokens":
+        write_token_shard(shards / f"shard-{index:05d}{SHARD_SUFFIX}", rows)
+        return
+    for row in rows:
+        row["response"] = tokenizer.decode(row["response_ids"], skip_special_tokens=True)
+    path = shards / f"shard-{index:05d}.jsonl"
+    tmp = shards / f".{path.name}.tmp"
+    with tmp.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _save_dataset(datasets, rows: list[dict], output_dir: Path, tokenizer) -> Dataset:
+    """The requested ``rows`` (``response`` decoded where a token shard left it out) as a ``datasets.Dataset``, saved
+    to ``output_dir/dataset`` in place of an earlier one."""
+    for row in rows:
+        row.setdefault("response", tokenizer.decode(row["response_ids"], skip_special_tokens=True))
+    dataset = datasets.Dataset.from_list(rows)
+    if (output_dir / DATASET_DIR).exists():
+        shutil.rmtree(output_dir / DATASET_DIR)
+    dataset.save_to_disk(str(output_dir / DATASET_DIR))
+    return dataset
+
+
 def generate_dataset(
     target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -338,40 +446,12 @@ def generate_dataset(
             "generate_dataset needs the 'datasets' package: pip install 'd3d-hf[train]' (or pip install datasets)"
         ) from err
     prompts = list(prompts)
-    if not prompts:
-        raise ValueError("No prompts given: pass at least one Prompt (e.g. load_prompt_sources('stdlib:100')).")
-    ids = [p.id for p in prompts]
-    if len(set(ids)) != len(ids):
-        dup = next(i for i, n in Counter(ids).items() if n > 1)
-        raise ValueError(f"Duplicate prompt id {dup!r}: prompt ids must be unique.")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
-    if shard_format not in ("tokens", "jsonl"):
-        raise ValueError(f"shard_format must be 'tokens' or 'jsonl', got {shard_format!r}.")
-    if not (isinstance(temperature, (int, float)) and temperature >= 0):
-        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}.")
+    _check_generation_arguments(prompts, max_new_tokens, batch_size, shard_format, temperature)
 
     output_dir = Path(output_dir)
     eos_ids = _eos_ids(target, tokenizer)
     pad_id = _pad_id(target, tokenizer, eos_ids)
-    dtype = next(target.parameters()).dtype
-    template = getattr(tokenizer, "chat_template", None) or ""
-    settings = {
-        "format": _FORMAT,
-        "target": target_name or getattr(target, "name_or_path", None) or type(target).__name__,
-        "dtype": str(dtype).removeprefix("torch."),
-        "max_new_tokens": max_new_tokens,
-        "temperature": float(temperature),
-        "decoding": "greedy" if temperature == 0 else "sampling (temperature only, top_k=0, top_p=1)",
-        "seed": seed,
-        "chat_template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(),
-        "eos_token_ids": eos_ids,
-        "pad_token_id": pad_id,
-        "padding": "left, with attention mask",
-        "tokenizer": getattr(tokenizer, "name_or_path", None),
-    }
+    settings = _generation_settings(target, tokenizer, target_name, max_new_tokens, temperature, seed, eos_ids, pad_id)
     old = _prepare_output(output_dir, settings, resume, overwrite)
     output_dir.mkdir(parents=True, exist_ok=True)
     shards = output_dir / SHARDS_DIR
@@ -380,14 +460,7 @@ def generate_dataset(
         stale.unlink()
 
     done, next_shard = _read_shards(shards)
-    by_id = {p.id: p for p in prompts}
-    for pid, row in done.items():
-        if pid in by_id and row["messages"] != list(by_id[pid].messages):
-            raise ValueError(
-                f"Prompt {pid!r} is already in {shards} with different messages: the prompt set changed under the "
-                "same ids. Use another output folder, or overwrite=True to start over."
-            )
-    pending = [p for p in prompts if p.id not in done]
+    pending = _pending_prompts(prompts, done, shards)
 
     run = {
         "started_utc": _utc_now(),
@@ -413,14 +486,7 @@ def generate_dataset(
     write_json_atomic(output_dir / SETTINGS_FILE, record)
 
     encoded = {p.id: encode_prompt(tokenizer, p)[0].tolist() for p in pending}
-    # length-sorted within windows of 8 batches: little padding, and a run stopped early has answered a prefix of the
-    # prompts in their given order (the mix of sources the caller chose), not only the shortest prompts of all
-    window = 8 * batch_size
-    pending = [
-        p
-        for w in range(0, len(pending), window)
-        for p in sorted(pending[w : w + window], key=lambda q: len(encoded[q.id]))
-    ]
+    pending = _length_sorted(pending, encoded, batch_size)
 
     from tqdm.auto import tqdm
 
@@ -438,19 +504,7 @@ def generate_dataset(
                 {"id": p.id, "messages": list(p.messages), "prompt_ids": encoded[p.id], "response_ids": resp}
                 for p, resp in zip(batch, responses, strict=True)
             ]
-            if shard_format == "tokens":
-                write_token_shard(shards / f"shard-{next_shard:05d}{SHARD_SUFFIX}", rows)
-            else:
-                for row in rows:
-                    row["response"] = tokenizer.decode(row["response_ids"], skip_special_tokens=True)
-                path = shards / f"shard-{next_shard:05d}.jsonl"
-                tmp = shards / f".{path.name}.tmp"
-                with tmp.open("w", encoding="utf-8") as f:
-                    for row in rows:
-                        f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
+            _write_shard(shards, next_shard, rows, shard_format, tokenizer)
             next_shard += 1
             for row in rows:
                 done[row["id"]] = row
@@ -470,14 +524,7 @@ def generate_dataset(
     )
     write_json_atomic(output_dir / SETTINGS_FILE, record)
 
-    rows = [done[p.id] for p in prompts]
-    for row in rows:
-        row.setdefault("response", tokenizer.decode(row["response_ids"], skip_special_tokens=True))
-    dataset = datasets.Dataset.from_list(rows)
-    if (output_dir / DATASET_DIR).exists():
-        shutil.rmtree(output_dir / DATASET_DIR)
-    dataset.save_to_disk(str(output_dir / DATASET_DIR))
-    return dataset
+    return _save_dataset(datasets, [done[p.id] for p in prompts], output_dir, tokenizer)
 
 
 __all__ = [
