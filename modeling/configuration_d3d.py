@@ -256,7 +256,7 @@ def validate_config(config: PretrainedConfig | Mapping[str, Any]) -> None:
 
 
 def _check_draft_vocab(present: Mapping[str, Any]) -> None:
-    """`draft_vocab_size`: None, or an int in [1, vocab_size] on a drafter with weights of its own and an untied head."""
+    """`draft_vocab_size`: None, or an int in [1, vocab_size] on a drafter with its own weights and an untied head."""
     size = present.get("draft_vocab_size")
     if size is None:
         return
@@ -276,8 +276,8 @@ def _check_draft_vocab(present: Mapping[str, Any]) -> None:
         )
     if present.get("tie_word_embeddings"):
         raise ValueError(
-            "D3D drafter config: `draft_vocab_size` gives the LM head its own rows (one per draft-vocabulary id), so "
-            "it cannot be tied to the full input embeddings: set `tie_word_embeddings=False`."
+            "D3D drafter config: `draft_vocab_size` gives the LM head its own rows (one per draft-vocabulary id), "
+            "so it cannot be tied to the full input embeddings: set `tie_word_embeddings=False`."
         )
 
 

@@ -37,7 +37,6 @@ from .fast_paths_d3d import FastPathSettings, gqa_sdpa_attention_forward
 from .generation_d3d import D3DCandidateGenerator
 from .hooks_d3d import install_generation_hook
 from .initialization_d3d import from_autoregressive
-from .vocabulary_d3d import expand_draft_logits, set_draft_vocabulary
 from .layers_d3d import (
     D3DDecoderLayer,
     D3DMaskEmbedding,
@@ -46,6 +45,7 @@ from .layers_d3d import (
     eager_attention_forward,
     kernel_attention_interface,
 )
+from .vocabulary_d3d import expand_draft_logits, set_draft_vocabulary
 
 
 @dataclass

@@ -32,8 +32,9 @@ finally:
     else:
         os.environ["TRITON_INTERPRET"] = _saved_interpret
 
-from d3d_hf.kernels import packed_attention, packed_attention_naive, packed_attention_triton  # noqa: E402
 from d3d_hf.modeling.drafting_d3d import packed_metadata  # noqa: E402
+
+from d3d_hf.kernels import packed_attention, packed_attention_naive, packed_attention_triton  # noqa: E402
 
 if INTERPRET and not _kernels.INTERPRETED:
     pytest.skip(
@@ -292,8 +293,9 @@ def test_drafter_packed_pass_uses_the_kernel_and_matches_the_dense_mask(monkeypa
 def test_kernel_reference_mask_equals_the_drafters_mask_rule(seed):
     """The kernel's own `reference_mask` and the drafter's `packed_attention_mask` are written independently; they
     must agree on random packed layouts (odd chain lengths, repeated and empty hypotheses, block size 1)."""
-    from d3d_hf.kernels import reference_mask
     from d3d_hf.modeling.drafting_d3d import packed_attention_mask
+
+    from d3d_hf.kernels import reference_mask
 
     gen = torch.Generator().manual_seed(seed)
     chain = int(torch.randint(1, 12, (1,), generator=gen))

@@ -43,7 +43,7 @@ DEFAULT_SHAPES = "16:3,16:7,16:15,16:31,16:63,32:1,32:3,32:7,32:15,32:31"
 
 
 def import_from_checkout() -> tuple[types.ModuleType, types.ModuleType]:
-    """`(d3d_hf.kernels, d3d_hf.modeling.drafting_d3d)` loaded from this checkout's `src/d3d_hf/kernels/` and `modeling/`."""
+    """`(d3d_hf.kernels, d3d_hf.modeling.drafting_d3d)` from this checkout (`src/d3d_hf/kernels/`, `modeling/`)."""
     package = types.ModuleType("d3d_hf")
     package.__path__ = [str(ROOT / "src" / "d3d_hf")]
     sys.modules["d3d_hf"] = package

@@ -126,7 +126,8 @@ def clean_request(text: str, finished: bool) -> tuple[str | None, str]:
     if len(text) > MAX_REQUEST_CHARS:
         return None, "too_long"
     lowered = text.lower()
-    if "<|" in text or "im_start" in lowered or "[inst]" in lowered or re.match(r"^(assistant|user|system)\s*:", lowered):
+    markers = "<|" in text or "im_start" in lowered or "[inst]" in lowered
+    if markers or re.match(r"^(assistant|user|system)\s*:", lowered):
         return None, "template"
     return text, "kept"
 
@@ -151,9 +152,9 @@ def _read_existing(path: Path) -> list[dict]:
             continue
         try:
             records.append(json.loads(line))
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as err:
             if i != len(lines) - 1:
-                raise ValueError(f"{path}, line {i + 1}: not valid JSON; this file was not written by Magpie.")
+                raise ValueError(f"{path}, line {i + 1}: not valid JSON; this file was not written by Magpie.") from err
             path.write_text("".join(lines[:i]), encoding="utf-8")
     if records and not all(isinstance(r, dict) and "domain" in r and "messages" in r for r in records):
         raise ValueError(f"{path} holds prompts not written by magpie_requests: choose a new output file.")

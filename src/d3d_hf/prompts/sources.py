@@ -209,8 +209,9 @@ def load_prompt_sources(spec: str, seed: int = 0) -> list[Prompt]:
     """Load training prompts from a comma-separated list of sources.
 
     Each item is ``stdlib`` or ``stdlib:N`` (:func:`stdlib_prompts` with ``limit=N``), ``math[:N]``,
-    ``chat[:N]``, ``math-extra[:N]`` or ``chat-extra[:N]`` (the templated sources of :mod:`d3d_hf.prompts.synthetic`, 400 prompts without ``:N``), or a
-    JSONL file path, optionally ``path:N`` for its first N prompts (:func:`d3d_hf.prompts.load_prompts`). Example:
+    ``chat[:N]``, ``math-extra[:N]`` or ``chat-extra[:N]`` (the templated sources of :mod:`d3d_hf.prompts.synthetic`
+    and :mod:`d3d_hf.prompts.synthetic_extra`, 400 prompts without ``:N``), or a JSONL file path, optionally
+    ``path:N`` for its first N prompts (:func:`d3d_hf.prompts.load_prompts`). Example:
     ``"stdlib:600,math:300,chat:300,data/extra.jsonl"``.
 
     Args:
@@ -223,8 +224,8 @@ def load_prompt_sources(spec: str, seed: int = 0) -> list[Prompt]:
     Raises:
         ValueError: An empty spec or item, a count that is not a positive integer, an evaluation set
             (:data:`EVALUATION_SETS`: evaluation prompts must never be trained on), a prompt that is an evaluation
-            prompt (its id, its user turn word for word, or a near-duplicate of one), ids repeated across sources, or whatever
-            :func:`~d3d_hf.prompts.load_prompts` raises for a bad file.
+            prompt (its id, its user turn word for word, or a near-duplicate of one), ids repeated across sources, or
+            whatever :func:`~d3d_hf.prompts.load_prompts` raises for a bad file.
         FileNotFoundError: A file that does not exist.
     """
     if not isinstance(spec, str) or not spec.strip():

@@ -106,8 +106,9 @@ def d3d_losses(
         `dict` with scalar float32 tensors `block_loss` (weighted mean over scored block positions; 0 when none),
         `ar_loss` (mean next-token loss over response tokens; 0 when not computed), and counts `block_tokens`,
         `ar_tokens`. With a draft vocabulary (`config.draft_vocab_size`) both losses are over the LM head's rows and
-        a target token outside the draft vocabulary is not scored (it can never be drafted). A loss with nothing to score is an exact 0 that is still connected to the forward passes, so a
-        batch of sequences too short to score trains as a zero-gradient step instead of failing in `backward`.
+        a target token outside the draft vocabulary is not scored (it can never be drafted). A loss with nothing to
+        score is an exact 0 that is still connected to the forward passes, so a batch of sequences too short to score
+        trains as a zero-gradient step instead of failing in `backward`.
     """
     input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
     anchors, block_masked = inputs["anchors"], inputs["block_masked"]

@@ -94,9 +94,7 @@ def load_training_dataset(path: str):
     Raises:
         FileNotFoundError: if `path` is neither a saved dataset nor existing JSON / JSONL files.
     """
-    from datasets import DatasetDict, load_dataset, load_from_disk
-
-    from datasets import Dataset
+    from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
     from ..data import SHARDS_DIR, load_generated_rows
 
