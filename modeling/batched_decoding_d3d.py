@@ -38,6 +38,14 @@ and stopping criteria run on the sequence's own row (the left-padded prompt, the
 `max_length` counts the padded prompt, so `max_new_tokens` is per sequence. Greedy outputs equal target-only
 decoding of the batch and of each prompt alone (float32).
 
+**Holes** (`check_prompt_mask`): a mask may also hide tokens after a prompt's first real one, e.g. the mask
+transformers infers when `generate` gets no `attention_mask` (`input_ids != pad_token_id`, whenever `eos_token_id`
+is another id) has a zero wherever the prompt holds the pad id, and SmolLM2's chat template emits its pad id
+(`<|im_end|>`) inside every prompt. Target-only decoding never attends to such a token and counts positions over
+the real tokens only (`cumsum - 1`); the loop does the same by caching and drafting from the real tokens alone
+(`BatchedRounds.own_tokens`) while processors and stopping criteria still see the row as given, so it decodes
+exactly what target-only decoding does with that mask. A mask that hides a prompt's last token is refused.
+
 **Seeds** (`do_sample=True`, `d3d_sampling="invariant"`): the call seed is one draw from torch's default generator
 as for one sequence; sequence `i` of the batch uses Gumbel noise keyed by `(seed_i, t)` with `t` the token's index in
 its own unpadded sequence, `seed_0` the call seed and `seed_i` (i >= 1) a SplitMix64 mix of the call seed and `i`.
@@ -90,8 +98,70 @@ def batched_costs(policy) -> BatchedCosts:
 
 
 def needs_batched_loop(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
-    """Whether a D3D call decodes in the batched loop: more than one sequence, or a padded `attention_mask`."""
+    """Whether a D3D call decodes in the batched loop: more than one sequence, or an `attention_mask` with a zero
+    (padding, or a hole: `check_prompt_mask`)."""
     return input_ids.shape[0] > 1 or (attention_mask is not None and not bool(attention_mask.bool().all()))
+
+
+def check_prompt_mask(
+    input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, pad_token_id: torch.Tensor | int | None = None
+) -> torch.BoolTensor:
+    """Checks the prompts' `attention_mask` for the batched loop, before any forward pass.
+
+    The loop decodes any mask whose last column is all ones: zeros before a row's first real token are left padding,
+    zeros after it are holes, tokens the target never attends to (transformers' target-only decoding hides them from
+    every query and counts positions over the real tokens only, `cumsum - 1`; so does the loop). Holes come, for
+    instance, from the mask transformers infers when `generate` gets no `attention_mask`: `input_ids != pad_token_id`
+    (whenever `eos_token_id` is not the pad id), with a zero wherever the prompt holds the pad id; SmolLM2's pad id
+    is `<|im_end|>`, which its chat template puts inside every prompt.
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(batch_size, seq_len)`): the prompts.
+        attention_mask (`torch.Tensor` of shape `(batch_size, seq_len)`, *optional*): 1 (or `True`) at real tokens;
+            `None` for no padding.
+        pad_token_id (`torch.Tensor` or `int`, *optional*): the call's pad id (`generation_config._pad_token_tensor`),
+            only read to name the cause when a row's last token is masked.
+
+    Returns:
+        `torch.BoolTensor` of shape `(batch_size, seq_len)`: the mask (`True` = real token), all `True` for `None`.
+
+    Raises:
+        ValueError: for a mask of another shape; a row that is all padding; a row whose last token is masked (right
+            padding, or a prompt that ends with the pad id under transformers' inferred mask: the message names which,
+            and the fix).
+    """
+    if attention_mask is None:
+        return torch.ones_like(input_ids, dtype=torch.bool)
+    mask = attention_mask.bool()
+    if mask.dim() != 2 or mask.shape != input_ids.shape:
+        raise ValueError(
+            f"`attention_mask` must have the prompts' shape {tuple(input_ids.shape)}, got {tuple(mask.shape)}."
+        )
+    empty = [i for i, row in enumerate(mask.tolist()) if not any(row)]
+    if empty:
+        raise ValueError(
+            f"Prompt row(s) {empty} of the batch are all padding (`attention_mask` 0 everywhere): D3D drafts after the "
+            "last committed token, so every prompt needs at least one. Drop those rows or give them a token."
+        )
+    ending = [i for i, real in enumerate(mask[:, -1].tolist()) if not real]
+    if not ending:
+        return mask
+    pad = None if pad_token_id is None else torch.as_tensor(pad_token_id, device=input_ids.device).flatten()
+    if pad is not None and pad.numel() == 1 and torch.equal(mask, input_ids != pad):
+        pad_id = int(pad)
+        raise ValueError(
+            f"Prompt row(s) {ending} end with the pad token id {pad_id}, and the `attention_mask` is 0 exactly where "
+            "the prompts hold that id: the mask transformers infers from `pad_token_id` when `generate` gets no "
+            "`attention_mask` and `eos_token_id` is not the pad id. It hides the prompt's last token, after which D3D "
+            "would decode. If the prompt is meant as it is (a chat template may emit the pad id, as SmolLM2's emits "
+            "its `<|im_end|>`), pass the mask: `attention_mask=torch.ones_like(input_ids)` (or the tokenizer's). If "
+            "the rows are right-padded, pad them on the left (`tokenizer.padding_side = 'left'`)."
+        )
+    raise ValueError(
+        f"Batched D3D decoding needs every prompt's last token to be real, and the `attention_mask` of row(s) {ending} "
+        "is 0 in the last column: pad prompts on the left (padding first, then the tokens), as transformers' batched "
+        "generation of decoder-only models does: set `tokenizer.padding_side = 'left'` before tokenizing the batch."
+    )
 
 
 def _refuse_call(target, generation_config, synced_gpus: bool, streamer, model_kwargs: dict[str, Any]) -> None:
@@ -270,11 +340,16 @@ class BatchedRounds:
             built for the batch.
         target (`PreTrainedModel`): the target; `cache` its `DynamicCache` (empty), passed to its forward as
             `cache_key` (`"cache"` or `"past_key_values"`, as transformers named it for this call).
-        prompts (`torch.LongTensor` of shape `(batch_size, seq_len)`): the left-padded prompts.
-        prompt_lengths (`list[int]`): real tokens per prompt (>= 1).
+        prompts (`torch.LongTensor` of shape `(batch_size, seq_len)`): the prompts as given (padding and holes
+            included: logits processors and stopping criteria see these rows).
+        prompt_mask (`torch.BoolTensor` of shape `(batch_size, seq_len)`): `True` at the prompts' real tokens, at least
+            one per row and always the last column; zeros before a row's first real token are left padding, zeros
+            after it are holes (a token the target never attends to, as transformers' mask hides it).
     """
 
-    def __init__(self, generator, target, cache, cache_key: str, prompts: torch.LongTensor, prompt_lengths: list[int]):
+    def __init__(
+        self, generator, target, cache, cache_key: str, prompts: torch.LongTensor, prompt_mask: torch.BoolTensor
+    ):
         self.generator, self.target, self.cache, self.cache_key = generator, target, cache, cache_key
         self.keeps_logits = target._supports_logits_to_keep() if hasattr(target, "_supports_logits_to_keep") else False
         self.prefill = True  # the round being verified is the prefill (`verify`)
@@ -285,7 +360,15 @@ class BatchedRounds:
         self.max_length = generator.max_length
         batch, width = prompts.shape
         self.rows = [prompts[a : a + 1] for a in range(batch)]  # each sequence's padded row, grown as it decodes
-        self.offsets = [width - n for n in prompt_lengths]
+        prompt_mask = prompt_mask.to(prompts.device)
+        lengths = prompt_mask.sum(dim=1).tolist()
+        self.offsets = [width - n for n in lengths]  # row index - offset = index in the sequence's own tokens
+        self.prompt_width = width
+        # a prompt with holes: its real tokens, which the target sees as one unbroken sequence (`own_tokens`)
+        self.gapped_prompts = [
+            None if bool(prompt_mask[a, width - lengths[a] :].all()) else prompts[a : a + 1, prompt_mask[a]]
+            for a in range(batch)
+        ]
         self.active = list(range(batch))  # the sequences still decoding, in cache batch order
         self.slots = RaggedSlots(batch, target.device)
         self.shared = generator.passes.target_cache is not None
@@ -303,8 +386,17 @@ class BatchedRounds:
     # -- planning ---------------------------------------------------------------------------------------------------
 
     def own_tokens(self, a: int) -> torch.LongTensor:
-        """Sequence `a` without its padding, `(1, n)`."""
-        return self.rows[a][:, self.offsets[a] :]
+        """Sequence `a` without its padding and the holes of its prompt, `(1, n)`: what the target's cache holds of it
+        (positions `0 .. n - 1`), what the drafter and prompt lookup read."""
+        gapped = self.gapped_prompts[a]
+        if gapped is None:
+            return self.rows[a][:, self.offsets[a] :]
+        return torch.cat([gapped, self.rows[a][:, self.prompt_width :]], dim=1)
+
+    def last_tokens(self, a: int, count: int) -> torch.LongTensor:
+        """The last `count` of sequence `a`'s own tokens (`own_tokens`), `(count,)`."""
+        tokens = self.own_tokens(a)
+        return tokens[0, tokens.shape[1] - count :]
 
     def limit(self, a: int) -> int:
         return max(0, min(self.block_size - 1, self.max_length - self.rows[a].shape[1] - 1))
@@ -416,8 +508,7 @@ class BatchedRounds:
         device = passes.device
         ids = torch.zeros(batch, width + masks, dtype=torch.long, device=device)
         for r, a in enumerate(self.active):
-            row = self.rows[a]
-            ids[r, width - pending[r] : width] = row[0, row.shape[1] - pending[r] :].to(device)
+            ids[r, width - pending[r] : width] = self.last_tokens(a, pending[r]).to(device)
         masked = torch.zeros_like(ids, dtype=torch.bool)
         masked[:, width:] = True
         allowed, positions, _ = slots.inputs([p + masks for p in pending], width + masks, tail=masks)
@@ -503,8 +594,7 @@ class BatchedRounds:
         width = max(counts)
         ids = torch.zeros(batch, width, dtype=torch.long, device=device)
         for r, a in enumerate(self.active):
-            row = self.rows[a]
-            tokens = row[0, row.shape[1] - pending[r] :].to(device)
+            tokens = self.last_tokens(a, pending[r]).to(device)
             if plans[r].drafts:
                 tokens = torch.cat([tokens, torch.cat(plans[r].drafts, dim=1)[0].to(device)])
             ids[r, width - counts[r] :] = tokens
@@ -605,13 +695,15 @@ def batched_assisted_decoding(
 
     Args:
         target (`PreTrainedModel`): the target (decoder-only, a `DynamicCache` of full-attention layers).
-        input_ids (`torch.LongTensor` of shape `(batch_size, seq_len)`): the prompts, left-padded.
+        input_ids (`torch.LongTensor` of shape `(batch_size, seq_len)`): the prompts, left-padded; the mask may hide
+            tokens inside a prompt too (holes: `check_prompt_mask`), but never a prompt's last token.
         logits_processor (`LogitsProcessorList`), stopping_criteria (`StoppingCriteriaList`),
         generation_config (`GenerationConfig`): as transformers prepared them (`pad_token_id` fills finished rows).
         assistant_model (`D3DForDiffusionDrafting`): the drafter.
         tokenizer (*optional*): the target's tokenizer (stop strings).
         model_kwargs: `generate`'s model keyword arguments: `attention_mask` of shape `(batch_size, seq_len)` (1 =
-            real token; `None` for no padding), the target's (empty) cache as `cache`.
+            real token; `None` for no padding; the one transformers inferred from `pad_token_id` when `generate` got
+            none), the target's (empty) cache as `cache`.
 
     Returns:
         `torch.LongTensor` of shape `(batch_size, seq_len + longest generated)`: each row its prompt as given, its
@@ -621,7 +713,9 @@ def batched_assisted_decoding(
         had finished (`cache` is `None`: the batched cache holds padding and finished sequences were removed).
 
     Raises:
-        ValueError: before any forward pass, for a right-padded or empty prompt row, a tree, `d3d_async=True`,
+        ValueError: before any forward pass, for a prompt row whose last token is masked or that is all padding
+            (`check_prompt_mask`: right padding, or a prompt ending with the pad id under the mask transformers
+            inferred), a tree, `d3d_async=True`,
             `d3d_fused_drafting=True`, `d3d_decoding_loop="transformers"` (`check_batch_options`), a streamer,
             `synced_gpus`, an encoder-decoder target, a target cache that is not a `DynamicCache` of full-attention
             layers or is not empty, no `pad_token_id` for a batch, `d3d_sampling="speculative"` without transformers'
@@ -633,31 +727,13 @@ def batched_assisted_decoding(
     options = D3DGenerationOptions.resolve(generation_config, assistant_model)
     check_batch_options(options, batch, padded)
     _refuse_call(target, generation_config, synced_gpus, streamer, model_kwargs)
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    attention_mask = attention_mask.bool()
-    if attention_mask.dim() != 2 or attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"`attention_mask` must have the prompts' shape {tuple(input_ids.shape)}, got "
-            f"{tuple(attention_mask.shape)}."
-        )
-    empty = [i for i, row in enumerate(attention_mask.tolist()) if not any(row)]
-    if empty:
-        raise ValueError(
-            f"Prompt row(s) {empty} of the batch are all padding (`attention_mask` 0 everywhere): D3D drafts after the "
-            "last committed token, so every prompt needs at least one. Drop those rows or give them a token."
-        )
-    if bool((attention_mask[:, 1:] < attention_mask[:, :-1]).any()) or not bool(attention_mask[:, -1].all()):
-        raise ValueError(
-            "Batched D3D decoding takes left-padded prompts (padding first, then the tokens, no gaps), as "
-            "transformers' batched generation of decoder-only models does: set `tokenizer.padding_side = 'left'` "
-            "before tokenizing the batch."
-        )
-    prompt_lengths = attention_mask.sum(dim=1).tolist()
     pad = getattr(generation_config, "_pad_token_tensor", None)
-    if pad is None and generation_config.pad_token_id is None:
+    if pad is None and generation_config.pad_token_id is not None:
+        pad = torch.as_tensor(generation_config.pad_token_id)
+    prompt_mask = check_prompt_mask(input_ids, attention_mask, pad)
+    if pad is None:
         raise ValueError("A batch needs `pad_token_id` to fill finished rows: pass `pad_token_id=` to `generate`.")
-    pad_id = int(pad if pad is not None else generation_config.pad_token_id)
+    pad_id = int(pad.flatten()[0])
     do_sample = bool(generation_config.do_sample)
     if do_sample and options.sampling == "speculative" and _speculative_sampling is None:
         raise ValueError(
@@ -689,7 +765,7 @@ def batched_assisted_decoding(
     scores = [[] for _ in range(batch)]
     raw_logits = [[] for _ in range(batch)]
     with generator.own_loop(target, cache, batched=True):
-        rounds = BatchedRounds(generator, target, cache, cache_key, input_ids, prompt_lengths)
+        rounds = BatchedRounds(generator, target, cache, cache_key, input_ids, prompt_mask)
         policy = generator.planner.policy
         while rounds.active:
             start = time.perf_counter()
@@ -767,5 +843,6 @@ __all__ = [
     "BatchedRounds",
     "RaggedSlots",
     "batched_assisted_decoding",
+    "check_prompt_mask",
     "needs_batched_loop",
 ]

@@ -506,3 +506,64 @@ def test_one_padded_prompt_in_transformers_loop_stays_there(tiny):
     assert torch.equal(out, target.generate(ids[1:], attention_mask=mask[1:], **kw))
     with pytest.raises(ValueError, match="Drop `d3d_decoding_loop='transformers'`"):
         target.generate(ids, attention_mask=mask, assistant_model=own, d3d_decoding_loop="transformers", **kw)
+
+
+def _with_holes(prompt: torch.Tensor, where: tuple[int, ...], pad_id: int = 0) -> torch.Tensor:
+    """`prompt` (1-D) with the pad id at the positions `where`."""
+    holed = prompt.clone()
+    holed[list(where)] = pad_id
+    return holed
+
+
+def test_pad_id_inside_a_prompt_without_attention_mask_decodes_as_target_only(tiny, sampling_pair):
+    """A prompt that holds the pad id, passed without `attention_mask` and with an eos that is not the pad id:
+    transformers infers `input_ids != pad_token_id`, a mask with holes inside the prompt, and target-only decoding
+    never attends to those tokens. D3D decodes exactly that (one prompt and a left-padded batch, both drafters, both
+    plans), and refuses a prompt that ends with the pad id, naming the inferred mask and the fix."""
+    target, own, shared, prompts = tiny
+    holed = [_with_holes(prompts[0], (1, 3)), prompts[1], _with_holes(prompts[2], (2, 4)), prompts[3]]
+    kw = dict(do_sample=False, max_new_tokens=16, eos_token_id=2)  # the tiny target's pad id is 0
+    one = holed[2][None]
+    reference = target.generate(one, **kw)
+    ones = target.generate(one, attention_mask=torch.ones_like(one), **kw)
+    assert not torch.equal(reference, ones)  # the holes change what the target decodes
+    ids, _ = left_pad(holed)  # pads with 0 too: the inferred mask is left padding plus the holes
+    batch_reference = target.generate(ids, **kw)
+    for drafter in (own, shared):
+        for plan in ({}, {"d3d_num_drafts": 3}):
+            assert torch.equal(target.generate(one, assistant_model=drafter, **kw, **plan), reference), plan
+            assert torch.equal(target.generate(ids, assistant_model=drafter, **kw, **plan), batch_reference), plan
+            assert drafter.last_generation_stats.batch_size == 4
+    # invariant sampling: the holes are no tokens of the sequence, so it samples what its real tokens sample when
+    # left-padded to the same row (the noise is read at each token's index among the real ones)
+    sampler, drafter = sampling_pair
+    real = holed[2][holed[2] != 0]
+    compact = torch.cat([torch.zeros(one.shape[1] - len(real), dtype=torch.long), real])[None]
+    compact_mask = (compact != 0).long()
+    sampled = _sample(sampler, drafter, one, None, eos_token_id=2, d3d_num_drafts=3)
+    assert torch.equal(sampled[0, one.shape[1] :], _sample(sampler, drafter, compact, compact_mask)[0, one.shape[1] :])
+    ending = torch.cat([prompts[1], torch.tensor([0])])[None]
+    with pytest.raises(ValueError, match=r"end with the pad token id 0.*attention_mask=torch\.ones_like\(input_ids\)"):
+        target.generate(ending, assistant_model=own, **kw)
+
+
+def test_smollm2_prompt_with_its_pad_id_without_attention_mask(smollm2):
+    """SmolLM2's pad id is `<|im_end|>`, which its chat template puts inside every prompt: without `attention_mask`
+    and with an eos other than the pad id, the shipped drafter decodes token for token what target-only `generate`
+    decodes with the mask transformers infers (which hides the prompt's `<|im_end|>` tokens)."""
+    from d3d_hf.drafters import load_drafter
+    from d3d_hf.prompts import encode_prompt, load_prompts
+
+    model, tokenizer = smollm2
+    pad = tokenizer.pad_token_id
+    assert pad == model.generation_config.pad_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = encode_prompt(tokenizer, load_prompts("humaneval", limit=1)[0])
+    assert (ids[0, :-1] == pad).any() and ids[0, -1] != pad
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert eos != pad
+    kw = dict(do_sample=False, max_new_tokens=32, eos_token_id=eos)
+    reference = model.generate(ids, **kw)
+    assert not torch.equal(reference, model.generate(ids, attention_mask=torch.ones_like(ids), **kw))
+    drafter = load_drafter("d3d-smollm2-135m-instruct")
+    assert torch.equal(model.generate(ids, assistant_model=drafter, **kw), reference)
+    assert drafter.last_generation_stats.accepted_drafts > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import types
 from pathlib import Path
 
@@ -230,3 +231,38 @@ def test_load_target_bfloat16(smollm2):
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     w = model.model.layers[3].self_attn.q_proj.weight
     assert torch.equal(w, model32.model.layers[3].self_attn.q_proj.weight.to(torch.bfloat16))
+
+
+class _Records(logging.Handler):
+    """Keeps every record it handles."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_load_target_bfloat16_asks_for_dequantised_weights(smollm2):
+    """A bfloat16 GGUF load asks transformers for dequantised weights explicitly, so transformers does not warn that
+    packed weights are fastest in float32 ("every matmul will cast"), which is false for dense weights; the weights
+    are plain bfloat16 tensors, the float32 ones rounded."""
+    model32, _ = smollm2
+    logger = logging.getLogger("transformers")  # transformers' root logger (it does not propagate to the root)
+    handler, level = _Records(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)  # whatever TRANSFORMERS_VERBOSITY says, warnings would be recorded
+    try:
+        model, _ = load_target(SMOLLM2, dtype="bfloat16", cache=False)  # a real load, not a cached copy
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    messages = [r.getMessage() for r in handler.records if r.levelno >= logging.WARNING]
+    assert not [m for m in messages if "weights packed" in m or "every matmul will cast" in m], messages
+    assert getattr(model, "hf_quantizer", None) is None
+    assert getattr(model.config, "quantization_config", None) is None
+    for name, p in model.named_parameters():
+        assert type(p.data) is torch.Tensor and p.dtype == torch.bfloat16, name
+    w = model.model.layers[3].mlp.down_proj.weight
+    assert torch.equal(w, model32.model.layers[3].mlp.down_proj.weight.to(torch.bfloat16))

@@ -10,9 +10,9 @@ A target is named in one of four ways (see :func:`resolve_model`):
 * a local ``.gguf`` file;
 * anything else, which is passed through to ``from_pretrained`` as a Hugging Face Hub id.
 
-:func:`load_target` turns a name into ``(model, tokenizer)``. For GGUF files transformers (with the ``gguf``
-package) dequantises every weight into a plain tensor of the requested dtype, so the model is an ordinary
-``LlamaForCausalLM`` usable for drafter initialisation and training.
+:func:`load_target` turns a name into ``(model, tokenizer)``. For GGUF files it asks transformers (with the ``gguf``
+package) to dequantise every weight into a plain tensor of the requested dtype (``GgufConfig(dequantize=True)``), so
+the model is an ordinary ``LlamaForCausalLM`` usable for drafter initialisation and training.
 
 Things :func:`load_target` corrects after a GGUF load (found on transformers 5.24):
 
@@ -20,6 +20,10 @@ Things :func:`load_target` corrects after a GGUF load (found on transformers 5.2
   into a plain tensor (Llama goes through the legacy GGUF loader). That marker makes the model refuse
   ``.half()``/``.float()``, ``save_pretrained`` ("not serializable") and ``Trainer`` ("quantized ... not
   trainable"). When no weight is left packed, the marker is removed.
+* Asked for nothing, transformers 5.25 assumes GGUF weights may stay packed and warns on every bfloat16/float16 load
+  that packed weights are fastest in float32 and that "every matmul will cast" its input and output, which is false
+  for dequantised weights (Llama always goes through the legacy, dequantising loader). The explicit
+  ``quantization_config=GgufConfig(dequantize=True)`` states the choice, and the warning does not apply.
 * GGUF loads take about 11-15 s on 2 CPU cores (dequantisation); they are cached, see :func:`load_target`.
 
 For SmolLM2-135M-Instruct the GGUF metadata already carries the ChatML chat template and
@@ -266,7 +270,8 @@ def _drop_dequantised_gguf_quantizer(model) -> None:
     transformers keeps ``model.hf_quantizer`` (a ``GgufHfQuantizer``) and ``config.quantization_config`` after a
     GGUF load even when it dequantised everything (the legacy loader, used for Llama). With the marker the model
     cannot be saved, cast with ``.half()``, or trained with ``Trainer``. Weights that stayed packed (newer GGUF
-    path with a ``kernels`` matmul kernel) keep the marker, since they really are quantized.
+    path with a ``kernels`` matmul kernel; not expected, since :func:`_load_model_uncached` asks for dequantised
+    weights) keep the marker, since they really are quantized.
     """
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is None:
@@ -281,12 +286,28 @@ def _drop_dequantised_gguf_quantizer(model) -> None:
     quantizer.remove_quantization_config(model)
 
 
+def _gguf_dequantise_config():
+    """``GgufConfig(dequantize=True)``: the explicit request to unpack every GGUF weight into a plain tensor at load
+    time (``None`` on a transformers without ``GgufConfig``, whose GGUF loads always dequantise)."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # pragma: no cover - depends on the installed transformers
+        return None
+    return GgufConfig(dequantize=True)
+
+
 def _load_model_uncached(resolved: ResolvedModel, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": dtype}
     if resolved.gguf_file is not None:
         kwargs["gguf_file"] = resolved.gguf_file
+        # the project wants plain dense weights (drafter initialisation, training, any dtype), so it says so: without
+        # this transformers assumes the weights may stay packed and warns, on every bfloat16/float16 load, that packed
+        # GGUF weights are fastest in float32 and that "every matmul will cast" (false for dequantised weights)
+        quantization_config = _gguf_dequantise_config()
+        if quantization_config is not None:
+            kwargs["quantization_config"] = quantization_config
     model = AutoModelForCausalLM.from_pretrained(resolved.name_or_path, **kwargs)
     if resolved.gguf_file is not None:
         _drop_dequantised_gguf_quantizer(model)
@@ -365,8 +386,9 @@ def load_target(
             cached.
 
     Returns:
-        ``(model, tokenizer)``: a ``PreTrainedModel`` in eval mode on ``device`` with parameters in ``dtype``,
-        and its ``PreTrainedTokenizerBase``. The tokenizer has a chat template when its vocabulary is ChatML;
+        ``(model, tokenizer)``: a ``PreTrainedModel`` in eval mode on ``device`` with parameters in ``dtype`` (for a
+        GGUF checkpoint: dequantised, plain tensors, loaded with ``GgufConfig(dequantize=True)``), and its
+        ``PreTrainedTokenizerBase``. The tokenizer has a chat template when its vocabulary is ChatML;
         ``model.generation_config`` stops at the tokenizer's eos (``<|im_end|>``, id 2 for SmolLM2) and has a pad
         id.
 
