@@ -185,6 +185,14 @@ class D3DCandidateGenerator(CandidateGenerator):
         self._round = None
 
     @property
+    def num_drafting_tokens(self) -> int:
+        """The most candidate tokens one round sends (`block_size - 1`; a tree's node budget with `d3d_tree_budget`).
+        transformers (>= 5.25) reads it before its assisted loop to size the recurrent-state history of caches that
+        need one (linear-attention layers); attention caches ignore it."""
+        budget = getattr(self.options, "tree_budget", None)
+        return int(budget) if budget is not None else self.block_size - 1
+
+    @property
     def cache(self):
         """The drafter's own `D3DCache` (what synchronous passes extend unless they read the target's cache)."""
         return self.passes.cache
