@@ -27,8 +27,9 @@ import torch
 from transformers.generation import GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .batched_decoding_d3d import batched_assisted_decoding, needs_batched_loop
+from .batched_decoding_d3d import batched_assisted_decoding
 from .options_d3d import D3DGenerationOptions
+from .prompt_masks_d3d import needs_batched_loop
 from .tree_d3d import (
     check_tree_cache,
     greedy_tree_path,

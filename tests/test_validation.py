@@ -171,6 +171,7 @@ def _valid_config_kwargs() -> dict:
         block_lora_alpha=8.0,
         block_lora_modules=["q_proj", "v_proj"],
         shares_target_weights=False,
+        draft_vocab_size=50,
         initializer_range=0.02,
         attention_dropout=0.0,
         bos_token_id=1,
@@ -276,6 +277,9 @@ INVALID_VALUES = {
     "block_lora_alpha": _real(0.0, inclusive=False),
     "block_lora_modules": _modules(),
     "shares_target_weights": _not_bool(),
+    "draft_vocab_size": st.one_of(
+        st.integers(max_value=0), st.integers(min_value=98), st.floats(), st.booleans(), _NOT_NUMBERS
+    ),  # outside [1, vocab_size = 97]
     "initializer_range": _real(0.0, inclusive=True),
     "attention_dropout": _real(0.0, inclusive=True, high=1.0),
     "bos_token_id": st.one_of(st.floats(), st.text(max_size=3), st.booleans()),

@@ -1,0 +1,107 @@
+"""What a standalone drafter's draft pass costs by depth and LM-head size, in one-row target steps (issue 37).
+
+For each depth L (layers copied from SmolLM2-135M-Instruct, spread evenly over its 30) and each head (the full 49,152
+ids, or a draft vocabulary of N ids: FR-Spec, arXiv 2502.14856), the draft pass over `q` new rows (the committed
+token(s) plus masks: 1 + 0, 1 + 7, 1 + 15) on a cache of `--context` committed tokens, against the target's one-row
+forward and its 16-row verification on a cache of the same length. Untrained drafters: cost does not depend on the
+weights. The draft vocabulary here is the N most frequent ids of the committed answers under `--data` (any N ids
+cost the same).
+
+One process; the variants interleaved per repeat in a shuffled order (`_common.median_ms`), medians. Run it alone:
+
+    python benchmarks/small_drafter_cost.py --dtype bfloat16 --threads 2 --layers 2,4,6,8,30 --vocab 0,8192 \
+        [--repeats 15] [--output FILE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from _common import add_timing_arguments, emit, median_ms
+
+from d3d_hf import D3DForDiffusionDrafting
+from d3d_hf.costmodel import _prefilled_drafter_cache, _random_ids
+from d3d_hf.drafters import draft_vocabulary
+from d3d_hf.modeling.calibration_d3d import cpu_model
+from d3d_hf.targets import load_target
+
+
+def _spread(num_layers: int, total: int) -> list[int]:
+    """`num_layers` indices spread evenly over `0..total-1`, first and last included."""
+    if num_layers == 1:
+        return [0]
+    return sorted({round(i * (total - 1) / (num_layers - 1)) for i in range(num_layers)})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_timing_arguments(parser, repeats=15)
+    parser.add_argument("--layers", default="2,4,6,8,30", help="drafter depths, comma-separated")
+    parser.add_argument("--vocab", default="0,8192", help="LM-head sizes (0 = the full vocabulary), comma-separated")
+    parser.add_argument("--data", default="data/smollm2-135m-instruct/answers", help="answers for the draft vocabulary")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, _ = load_target("smollm2-135m-instruct", dtype=args.dtype, device="cpu")
+    total = target.config.num_hidden_layers
+    vocab = target.config.vocab_size
+    try:
+        from d3d_hf.data import load_generated_rows
+
+        rows = [r["response_ids"] for r in load_generated_rows(args.data)]
+    except FileNotFoundError:
+        rows = []
+    g = torch.Generator().manual_seed(0)
+    tcache = target(_random_ids(vocab, args.context, g, target.device), use_cache=True).cache
+    one, sixteen = _random_ids(vocab, 1, g, target.device), _random_ids(vocab, 16, g, target.device)
+
+    def target_forward(ids) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            target(input_ids=ids, cache=tcache, use_cache=True)
+        seconds = time.perf_counter() - start
+        tcache.crop(-(tcache.get_seq_length() - args.context))  # transformers' caches crop by tokens to remove
+        return seconds
+
+    variants = {"target 1 row": lambda: target_forward(one), "target 16 rows": lambda: target_forward(sixteen)}
+    for layers in (int(x) for x in args.layers.split(",")):
+        for size in (int(x) for x in args.vocab.split(",")):
+            ids = draft_vocabulary(rows, size, vocab, always=[2]) if size else None
+            drafter = D3DForDiffusionDrafting.from_autoregressive(
+                target, layer_ids=_spread(layers, total), block_size=16, draft_vocab_ids=ids
+            ).to(target.dtype)
+            cache = _prefilled_drafter_cache(drafter, args.context, 16, g, None)
+            committed = _random_ids(vocab, 1, g, target.device)
+            for masks in (0, 7, 15):
+
+                def draft(drafter=drafter, cache=cache, committed=committed, masks=masks) -> float:
+                    start = time.perf_counter()
+                    with torch.no_grad():
+                        drafter.draft_logits(committed, cache, num_masks=masks)
+                    seconds = time.perf_counter() - start
+                    cache.crop(args.context)
+                    return seconds
+
+                variants[(layers, size or vocab, 1 + masks)] = draft
+    ms = median_ms(list(variants), lambda name: variants[name](), args.repeats, warm_up=3)
+    step = ms["target 1 row"]
+    lines = [
+        f"Draft pass of a standalone drafter by depth and LM-head rows, in one-row target steps; SmolLM2-135M-Instruct, "
+        f"{args.dtype}, {args.threads} threads, cache {args.context} tokens; CPU: {cpu_model()}; "
+        f"`python benchmarks/small_drafter_cost.py --dtype {args.dtype} --threads {args.threads} --layers "
+        f"{args.layers} --vocab {args.vocab} --repeats {args.repeats}`",
+        "",
+        f"Target: one row {step:.1f} ms, 16 rows {ms['target 16 rows']:.1f} ms ({ms['target 16 rows'] / step:.2f} steps).",
+        "",
+        "| layers | head rows | 1 row: ms (steps) | 8 rows | 16 rows |",
+        "|---|---|---|---|---|",
+    ]
+    for layers, size in dict.fromkeys(k[:2] for k in ms if isinstance(k, tuple)):
+        cells = [f"{ms[(layers, size, q)]:.1f} ({ms[(layers, size, q)] / step:.2f})" for q in (1, 8, 16)]
+        lines.append(f"| {layers} | {size} | " + " | ".join(cells) + " |")
+    emit(lines, args.output)
+
+
+if __name__ == "__main__":
+    main()
