@@ -20,11 +20,11 @@ import time
 
 import torch
 from _common import add_timing_arguments, emit, median_ms
+from d3d_hf.modeling.calibration_d3d import cpu_model
 
 from d3d_hf import D3DForDiffusionDrafting
 from d3d_hf.costmodel import _prefilled_drafter_cache, _random_ids
 from d3d_hf.drafters import draft_vocabulary
-from d3d_hf.modeling.calibration_d3d import cpu_model
 from d3d_hf.targets import load_target
 
 
@@ -87,12 +87,14 @@ def main() -> None:
     ms = median_ms(list(variants), lambda name: variants[name](), args.repeats, warm_up=3)
     step = ms["target 1 row"]
     lines = [
-        f"Draft pass of a standalone drafter by depth and LM-head rows, in one-row target steps; SmolLM2-135M-Instruct, "
-        f"{args.dtype}, {args.threads} threads, cache {args.context} tokens; CPU: {cpu_model()}; "
+        "Draft pass of a standalone drafter by depth and LM-head rows, in one-row target steps; "
+        f"SmolLM2-135M-Instruct, {args.dtype}, {args.threads} threads, cache {args.context} tokens; CPU: {cpu_model()}; "
         f"`python benchmarks/small_drafter_cost.py --dtype {args.dtype} --threads {args.threads} --layers "
         f"{args.layers} --vocab {args.vocab} --repeats {args.repeats}`",
         "",
-        f"Target: one row {step:.1f} ms, 16 rows {ms['target 16 rows']:.1f} ms ({ms['target 16 rows'] / step:.2f} steps).",
+        f"Target: one row {step:.1f} ms, 16 rows {ms['target 16 rows']:.1f} ms "
+        f"({ms['target 16 rows'] / step:.2f} steps).",
+        f"({ms['target 16 rows'] / step:.2f} steps).",
         "",
         "| layers | head rows | 1 row: ms (steps) | 8 rows | 16 rows |",
         "|---|---|---|---|---|",
