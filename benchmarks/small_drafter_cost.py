@@ -88,7 +88,8 @@ def main() -> None:
     step = ms["target 1 row"]
     lines = [
         "Draft pass of a standalone drafter by depth and LM-head rows, in one-row target steps; "
-        f"SmolLM2-135M-Instruct, {args.dtype}, {args.threads} threads, cache {args.context} tokens; CPU: {cpu_model()}; "
+        f"SmolLM2-135M-Instruct, {args.dtype}, {args.threads} threads, cache {args.context} tokens; "
+        f"CPU: {cpu_model()}; "
         f"`python benchmarks/small_drafter_cost.py --dtype {args.dtype} --threads {args.threads} --layers "
         f"{args.layers} --vocab {args.vocab} --repeats {args.repeats}`",
         "",
