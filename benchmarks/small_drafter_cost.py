@@ -95,7 +95,6 @@ def main() -> None:
         "",
         f"Target: one row {step:.1f} ms, 16 rows {ms['target 16 rows']:.1f} ms "
         f"({ms['target 16 rows'] / step:.2f} steps).",
-        f"({ms['target 16 rows'] / step:.2f} steps).",
         "",
         "| layers | head rows | 1 row: ms (steps) | 8 rows | 16 rows |",
         "|---|---|---|---|---|",
