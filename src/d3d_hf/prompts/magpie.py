@@ -210,7 +210,9 @@ def magpie_requests(
     file's requests count toward ``counts``; those the evaluation guard refuses by then are removed from it; ids are
     not reused). Batch ``b`` of a domain samples under the torch seed
     ``seed + crc32(domain) + b``; a resumed run continues with the next ``b``. What was sampled and why requests were
-    dropped is written next to the file as ``<output_file>.stats.json``.
+    dropped is written next to the file as ``<output_file>.stats.json`` (per domain: batches, samples, the reason
+    counts, where ``"kept"`` counts requests that passed, including any beyond the count in a domain's last batch,
+    which are not written; ``removed_by_guard``: requests of the file the guard refused on a later run).
 
     Args:
         target: The target causal LM (its device and dtype as they are; bf16 is fine: the requests are prompts, not
@@ -250,12 +252,14 @@ def magpie_requests(
     records = _read_existing(path)
     # the guard may have grown since the file was written: requests it now refuses leave the file
     guarded = [r for r in records if not _refused(r["messages"][0]["content"])]
-    if len(guarded) < len(records):
+    removed = len(records) - len(guarded)
+    if removed:
         path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in guarded), encoding="utf-8")
         records = guarded
     stats_path = path.with_name(path.name + ".stats.json")
     stats = json.loads(stats_path.read_text(encoding="utf-8")) if stats_path.is_file() else {}
     stats.setdefault("settings", {})
+    stats["removed_by_guard"] = stats.get("removed_by_guard", 0) + removed
     stats["settings"].update(
         batch_size=batch_size, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
         target=getattr(target, "name_or_path", None), dtype=str(next(target.parameters()).dtype),
