@@ -71,7 +71,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .drafting_d3d import D3DCache
 from .estimates_d3d import _MIN_SECONDS, BatchedCosts, expected_tokens
 from .fast_paths_d3d import GQA_SDPA
-from .options_d3d import D3DGenerationOptions, check_batch_options
+from .options_d3d import call_options, check_batch_options
 from .prompt_masks_d3d import check_prompt_mask, needs_batched_loop
 from .sampling_d3d import ShiftedNoise, sequence_noise
 
@@ -658,7 +658,7 @@ def batched_assisted_decoding(
     attention_mask = model_kwargs.get("attention_mask")
     batch, width = input_ids.shape
     padded = attention_mask is not None and not bool(attention_mask.bool().all())
-    options = D3DGenerationOptions.resolve(generation_config, assistant_model)
+    options = call_options(generation_config, assistant_model)  # those the call resolved
     check_batch_options(options, batch, padded)
     _refuse_call(target, generation_config, synced_gpus, streamer, model_kwargs)
     pad = getattr(generation_config, "_pad_token_tensor", None)

@@ -28,7 +28,7 @@ from transformers.generation import GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batched_decoding_d3d import batched_assisted_decoding
-from .options_d3d import D3DGenerationOptions
+from .options_d3d import call_options
 from .prompt_masks_d3d import needs_batched_loop
 from .tree_d3d import (
     check_tree_cache,
@@ -328,7 +328,7 @@ def install_decoding_hook() -> None:
     def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs):
         assistant = kwargs.get("assistant_model")
         if getattr(assistant, "build_candidate_generator", None) is not None:
-            options = D3DGenerationOptions.resolve(generation_config, assistant)
+            options = call_options(generation_config, assistant, keep=True)  # resolved by the call's first check
             loop, budget = options.decoding_loop, options.tree_budget
             # several sequences, or padding: D3D's batched loop (one padded prompt may also run transformers' loop)
             if needs_batched_loop(input_ids, kwargs.get("attention_mask")) and (

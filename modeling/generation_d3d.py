@@ -19,7 +19,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from .async_rounds_d3d import PackedSuccessorDrafting
 from .hooks_d3d import check_prompt_and_drafter
-from .options_d3d import D3DGenerationOptions, check_batch_options
+from .options_d3d import D3DGenerationOptions, call_options, check_batch_options
 from .planner_d3d import DraftPasses, RoundPlanner, target_forward_context
 from .proposer_d3d import DraftProposer
 from .runtime_d3d import RoundClock
@@ -125,7 +125,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.drafter = drafter
         self.block_size = int(drafter.config.block_size)
         self.max_length = generation_config.max_length
-        self.options = options = D3DGenerationOptions.resolve(generation_config, drafter)
+        self.options = options = call_options(generation_config, drafter)  # those the call resolved
         self.batch_size = int(input_ids.shape[0])
         self.batched = self.batch_size > 1  # the batched loop's rounds (`own_loop(..., batched=True)`)
         check_batch_options(options, self.batch_size)

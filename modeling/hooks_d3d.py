@@ -23,7 +23,7 @@ from transformers.generation import GenerationMixin
 
 from .configuration_d3d import validate_config
 from .decoding_d3d import install_decoding_hook, remove_decoding_hook
-from .options_d3d import PREFIX, D3DGenerationOptions, check_option_names
+from .options_d3d import PREFIX, check_option_names, resolve_call_options
 
 SUPPORTED_TRANSFORMERS = ("5.24.0", "5.30.0")
 _HOOK_ATTRIBUTE = "_d3d_generation_hook"
@@ -71,7 +71,8 @@ def check_prompt_and_drafter(drafter: PreTrainedModel, prompt_length: int, targe
 def check_generate_call(drafter: PreTrainedModel, generation_config) -> None:
     """What D3D checks at the start of `target.generate(..., assistant_model=drafter)`, before transformers' own checks
     of the assistant and before any forward pass: the drafter's config (`validate_config`, for fields set by hand such
-    as `drafter.config.block_size = 0`) and the options of the call that assisted decoding cannot honour.
+    as `drafter.config.block_size = 0`) and the options of the call that assisted decoding cannot honour. The
+    options are resolved here once for the whole call and kept on its config (`options_d3d.resolve_call_options`).
 
     Args:
         drafter (`D3DForDiffusionDrafting`): the assistant.
@@ -83,7 +84,7 @@ def check_generate_call(drafter: PreTrainedModel, generation_config) -> None:
             drafter does not use), or `use_cache=False`.
     """
     validate_config(drafter.config)
-    D3DGenerationOptions.resolve(generation_config, drafter)
+    resolve_call_options(generation_config, drafter)  # once per call: the later steps read them (`call_options`)
     if generation_config.use_cache is False:
         raise ValueError(
             "`use_cache=False` cannot be used with an assistant model: speculative decoding keeps the target's KV "

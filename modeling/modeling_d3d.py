@@ -1,9 +1,12 @@
 """D3D block-diffusion drafter (arXiv 2611.06425): Llama/Qwen3-family decoder stack with a mask token.
 
 The model only: `D3DModel` (the decoder stack of `layers_d3d`) and `D3DForDiffusionDrafting` (plus an LM head; its
-passes, initialisation and decoding come from the files it imports). The top of the remote-code bundle uploaded
-next to every checkpoint: transformers' remote-code loading imports this file, which imports the candidate
-generator and installs the generation hook. Imports only torch, the public transformers API and its sibling files.
+passes and initialisation come from the files it imports). The ground floor of the remote-code bundle uploaded next
+to every checkpoint: at module level it imports only torch, the public transformers API and the model's own sibling
+files (config, layers, drafting passes, checkpoint I/O), never the generation engine. The engine comes in through one
+lazy seam: `D3DForDiffusionDrafting.__init__` imports `hooks_d3d` to install the generation hook, and
+`build_candidate_generator` imports `generation_d3d`. transformers' remote-code loading still copies every engine
+file with a checkpoint: it finds relative imports inside functions too (`dynamic_module_utils.get_relative_imports`).
 
 Attention convention: every attention mask handled here is boolean, `True` where a query may attend to a key, of
 shape `(batch_size, 1, query_len, key_len)`; `key_len` counts the cached tokens first, then the current ones.
@@ -34,8 +37,6 @@ from .drafting_d3d import (
     resolve_packed_attention_kernel,
 )
 from .fast_paths_d3d import FastPathSettings, gqa_sdpa_attention_forward
-from .generation_d3d import D3DCandidateGenerator
-from .hooks_d3d import install_generation_hook
 from .initialization_d3d import from_autoregressive
 from .layers_d3d import (
     D3DDecoderLayer,
@@ -358,6 +359,8 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
             self.register_buffer("draft_vocab_ids", torch.arange(head_rows, dtype=torch.long), persistent=True)
         self.model._output_embeddings = weakref.ref(self)  # whose LM head runs on `autotune_matmuls` too
         self.post_init()
+        from .hooks_d3d import install_generation_hook  # the engine's seam (module docstring)
+
         install_generation_hook()
         # `d3d_*` options set here are read by `D3DCandidateGenerator` unless the call sets them (as transformers reads
         # `num_assistant_tokens` from an assistant's generation config); none is set: the declared defaults apply
@@ -597,7 +600,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         there)."""
         return packed_draft_logits(self, chain_ids, cache, hypothesis_chain_lengths, bonus_guesses)
 
-    def build_candidate_generator(self, target=None, **kwargs) -> D3DCandidateGenerator:
+    def build_candidate_generator(self, target=None, **kwargs):
         """Called by the patched `GenerationMixin._get_candidate_generator` of the target (see
         `hooks_d3d.install_generation_hook`): returns the `D3DCandidateGenerator` for one `generate` call
         (attaching the target's weights first for a `shares_target_weights` drafter).
@@ -617,6 +620,8 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
                 )
         if self.config.shares_target_weights and target is not None and self._attached_target is not target:
             self.attach_target_weights(target)
+        from .generation_d3d import D3DCandidateGenerator  # the engine's seam (module docstring)
+
         return D3DCandidateGenerator(drafter=self, target=target, **kwargs)
 
     @classmethod

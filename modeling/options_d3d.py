@@ -550,6 +550,43 @@ def options_markdown_table(internal: bool = False) -> str:
     return "\n".join(lines)
 
 
+#: attribute of a `generate` call's own `GenerationConfig` that keeps the call's resolved options (`call_options`)
+CALL_OPTIONS_ATTRIBUTE = "_d3d_options"
+
+
+def call_options(generation_config: Any, drafter: Any, keep: bool = False) -> D3DGenerationOptions:
+    """The options of one `generate` call, resolved once per call.
+
+    `generate` hands one `GenerationConfig` of its own (a copy made for the call) to every step: the first check of
+    a D3D assistant (`hooks_d3d.check_generate_call`), the loops, the candidate-generator factory. The first check
+    resolves the options (`resolve_call_options`) and keeps them on that config, as transformers keeps
+    `_eos_token_tensor` there; the later steps read them here.
+
+    Args:
+        generation_config (`GenerationConfig`): the call's config.
+        drafter (`D3DForDiffusionDrafting`): the assistant.
+        keep (`bool`, defaults to `False`): when no check kept them (a step reached without it), resolve and keep
+            them, for a step that runs inside `generate` (never on a config the caller owns and may reuse).
+
+    Raises:
+        ValueError: when they are resolved here, as `D3DGenerationOptions.resolve`.
+    """
+    kept = getattr(generation_config, CALL_OPTIONS_ATTRIBUTE, None)
+    if isinstance(kept, D3DGenerationOptions):
+        return kept
+    if keep:
+        return resolve_call_options(generation_config, drafter)
+    return D3DGenerationOptions.resolve(generation_config, drafter)
+
+
+def resolve_call_options(generation_config: Any, drafter: Any) -> D3DGenerationOptions:
+    """Resolves the options of a `generate` call (`D3DGenerationOptions.resolve`) and keeps them on the call's
+    `GenerationConfig` for its later steps (`call_options`)."""
+    options = D3DGenerationOptions.resolve(generation_config, drafter)
+    setattr(generation_config, CALL_OPTIONS_ATTRIBUTE, options)
+    return options
+
+
 def check_batch_options(options: D3DGenerationOptions, batch_size: int, padded: bool = False) -> None:
     """Refuses, before any forward pass, the options that the batched loop cannot run.
 
@@ -593,9 +630,11 @@ __all__ = [
     "ASSISTED_GENERATION_OPTIONS",
     "D3DGenerationOptions",
     "assisted_generation_options",
+    "call_options",
     "check_batch_options",
     "check_option_names",
     "nearest_option",
     "options_markdown_table",
     "parse_option_text",
+    "resolve_call_options",
 ]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from _tiny import random_prompt, tiny_target
 from d3d_hf.modeling import generation_d3d
-from d3d_hf.modeling.options_d3d import D3DGenerationOptions, options_markdown_table
+from d3d_hf.modeling.options_d3d import CALL_OPTIONS_ATTRIBUTE, D3DGenerationOptions, options_markdown_table
 from transformers import GenerationConfig
 
 from d3d_hf import D3DForDiffusionDrafting
@@ -138,3 +138,52 @@ def test_a_mode_that_skips_the_assistant_is_refused(pair):
 def test_the_worker_threads_bound_is_named():
     with pytest.raises(ValueError, match=r"torch threads\) = \d+\]"):
         D3DGenerationOptions.resolve(block_size=8, d3d_worker_threads=10**6)
+
+
+@pytest.mark.parametrize(
+    "case", ["one prompt", "one prompt, transformers' loop", "a tree", "a left-padded batch", "one padded prompt"]
+)
+def test_options_are_resolved_once_per_call(pair, monkeypatch, case):
+    """A `generate` call resolves its options once, at its first check of the assistant; the loops, the candidate
+    generator and the batch checks read that result (issue 36 item 2)."""
+    target, drafter = pair
+    resolve = D3DGenerationOptions.resolve.__func__
+    calls = []
+
+    def counting(cls, *args, **kwargs):
+        calls.append(args)
+        return resolve(cls, *args, **kwargs)
+
+    monkeypatch.setattr(D3DGenerationOptions, "resolve", classmethod(counting))
+    prompts = [random_prompt(7, seed=3)[0], random_prompt(4, seed=5)[0]]
+    if case in ("a left-padded batch", "one padded prompt"):
+        rows = prompts if case == "a left-padded batch" else prompts[1:]
+        width = 7
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(rows):
+            ids[i, width - len(p) :], mask[i, width - len(p) :] = p, 1
+    else:
+        ids = prompts[0][None]
+        mask = torch.ones_like(ids)
+    kwargs = {"one prompt, transformers' loop": {"d3d_decoding_loop": "transformers"}, "a tree": {"d3d_tree_budget": 6}}
+    options = kwargs.get(case, {})
+    target.generate(
+        ids, attention_mask=mask, assistant_model=drafter, do_sample=False, max_new_tokens=6, pad_token_id=0, **options
+    )
+    assert drafter.last_generation_stats.rounds > 0
+    assert len(calls) == 1, f"{len(calls)} resolutions in one call"
+
+
+def test_a_reused_generation_config_keeps_no_options_of_an_earlier_call(pair):
+    """The resolved options stay with the call's own copy of the config: a config the caller passes again, changed,
+    is resolved afresh."""
+    target, drafter = pair
+    prompt = random_prompt(7, seed=3)
+    config = GenerationConfig(do_sample=False, max_new_tokens=6, d3d_num_drafts=2)
+    for drafts in (2, 1):
+        config.d3d_num_drafts = drafts
+        mask = torch.ones_like(prompt)
+        target.generate(prompt, attention_mask=mask, assistant_model=drafter, generation_config=config)
+        assert drafter.last_generation_stats.options.num_drafts == drafts
+        assert not hasattr(config, CALL_OPTIONS_ATTRIBUTE)
