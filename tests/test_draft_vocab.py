@@ -120,11 +120,11 @@ def test_standalone_drafter_with_draft_vocabulary_trains_from_the_cli(tiny_folde
     argv = ["train", "--target", str(tiny_folders / "target"), "--data", str(tmp_path / "data")]
     argv += ["--output-dir", str(tmp_path / "run"), "--max_steps", "3", "--tau_holdout", "0", "--init-block-size", "4"]
     argv += ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--shares_target_weights", "false"]
-    argv += ["--train_mode", "full", "--freeze_embeddings", "false", "--num_layers", "2", "--draft_vocab_size", "24"]
+    argv += ["--train_mode", "full", "--freeze_embeddings", "false", "--layer_ids", "0,2", "--draft_vocab_size", "24"]
     argv += ["--ar_loss_weight", "0.5", "--learning_rate", "1e-3", "--logging_steps", "1"]
     assert main(argv) == 0
     drafter = load_drafter(str(tmp_path / "run"))
-    assert drafter.config.draft_vocab_size == 24 and drafter.config.num_hidden_layers == 2
+    assert drafter.config.draft_vocab_size == 24 and drafter.config.source_layer_ids == [0, 2]
     answers = [t for r in load_generated_rows(tmp_path / "data") for t in r["response_ids"]]
     top = max(set(answers), key=answers.count)
     assert top in drafter.draft_vocab_ids.tolist() and 2 in drafter.draft_vocab_ids.tolist()

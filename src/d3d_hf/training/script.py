@@ -33,7 +33,10 @@ class D3DTrainScriptArguments:
             `d3d-hf data` shards, or any dataset TRL's `SFTTrainer` takes (`messages`, `prompt` + `completion`,
             a text field).
         drafter (`str`, *optional*): start from this drafter folder instead of initialising from the target.
-        num_layers (`int`, *optional*): layers copied from the target when initialising (default: all).
+        num_layers (`int`, *optional*): layers copied from the target when initialising, its first ones (default:
+            all).
+        layer_ids (`str`, *optional*): instead of `num_layers`, the target layers a new drafter copies, in order,
+            comma-separated (`"0,6,12,18,24,29"`: a shallow drafter spread over the target's depth).
         init_block_size (`int`, defaults to 16): block size of a newly initialised drafter.
         shares_target_weights (`bool`, defaults to `True`): a newly initialised drafter references the target's
             weights and saves only its own (valid with `train_mode="block_adapter"`; ignored otherwise).
@@ -54,6 +57,9 @@ class D3DTrainScriptArguments:
     data: str = field(metadata={"help": "`d3d-hf data` folder, or JSON/JSONL file(s) (path, glob, comma-separated)."})
     drafter: str | None = field(default=None, metadata={"help": "Start from this drafter folder."})
     num_layers: int | None = field(default=None, metadata={"help": "Layers of a new drafter (default all)."})
+    layer_ids: str | None = field(
+        default=None, metadata={"help": "Target layers a new drafter copies, comma-separated (e.g. 0,6,12,18,24,29)."}
+    )
     init_block_size: int = field(default=16, metadata={"help": "Block size of a new drafter."})
     shares_target_weights: bool = field(default=True, metadata={"help": "New drafter references target weights."})
     dtype: str = field(default="float32", metadata={"help": "Training dtype of the target."})
@@ -79,6 +85,17 @@ class D3DTrainScriptArguments:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"--{name} must be a whole number >= {low}, got {value!r}.")
+        if self.layer_ids is not None:
+            if self.num_layers is not None:
+                raise ValueError("Pass --num_layers or --layer_ids, not both.")
+            try:
+                ids = [int(i) for i in str(self.layer_ids).split(",")]
+            except ValueError:
+                ids = []
+            if not ids or any(i < 0 for i in ids):
+                raise ValueError(
+                    f"--layer_ids must be comma-separated layer indices such as 0,6,12, got {self.layer_ids!r}."
+                )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}.")
 
@@ -214,6 +231,7 @@ def train_drafter(script: D3DTrainScriptArguments, config: D3DTrainingConfig) ->
         drafter = D3DForDiffusionDrafting.from_autoregressive(
             target,
             num_layers=script.num_layers,
+            layer_ids=None if script.layer_ids is None else [int(i) for i in str(script.layer_ids).split(",")],
             block_size=script.init_block_size,
             source_model=script.target,
             target_model=script.target,
