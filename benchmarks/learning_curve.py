@@ -1,0 +1,138 @@
+"""The learning curve of issue 35: drafter-alone tau against training samples seen, for several drafter capacities.
+
+For each capacity (a preset of `d3d-hf train` flags, `CAPACITIES`) and each sample count N, trains a drafter on the
+first N rows of the committed data (`--max_samples N`: the rows are in a seeded shuffled order, so every prefix is a
+sample of every source; the last `--tau_holdout` rows are never trained on) for `--epochs` passes, then measures its
+drafter-alone tau on HumanEval 20-39, GSM8K 0-19 and MT-Bench 0-19 with `benchmarks/trl/compare_tau.py`
+(`d3d_num_drafts="full"`, no prompt lookup, greedy, float32, 128 new tokens; lossless checked on every prompt).
+Every step resumes: a finished run or measurement is kept and skipped, a training run continues from its last
+checkpoint. Then it writes the table and the plot:
+
+    python benchmarks/learning_curve.py --samples 500,1000,2000,5000 --capacities adapter-r8,small6-v8k \
+        [--data data/smollm2-135m-instruct/answers] [--threads 1] [--epochs 2]
+
+Outputs: `runs/learning_curve/<capacity>-<N>/` (the drafters; not committed), and in
+`benchmarks/results/learning_curve/`: `<capacity>-<N>-<set>.json` (compare_tau results), `curve.md` (the table, with
+the CPU and the commands) and `curve.png` (tau against samples, one line per capacity and set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "learning_curve"
+SETS = {"humaneval": (20, 20), "gsm8k": (0, 20), "mt-bench": (0, 20)}
+BATCH = 4
+CAPACITIES: dict[str, list[str]] = {
+    # block adapters over the target's own 30 layers (the shipped design), rank 8 and 32
+    "adapter-r8": ["--train_mode", "block_adapter", "--block_lora_rank", "8", "--block_lora_alpha", "16",
+                   "--learning_rate", "5e-4", "--ar_loss_weight", "0", "--dtype", "bfloat16"],
+    "adapter-r32": ["--train_mode", "block_adapter", "--block_lora_rank", "32", "--block_lora_alpha", "64",
+                    "--learning_rate", "5e-4", "--ar_loss_weight", "0", "--dtype", "bfloat16"],
+    # a standalone 6-layer drafter over the target's depth with an 8,192-id draft vocabulary (issue 37)
+    "small6-v8k": ["--shares_target_weights", "false", "--train_mode", "full", "--freeze_embeddings", "false",
+                   "--layer_ids", "0,6,12,18,24,29", "--draft_vocab_size", "8192", "--learning_rate", "3e-4",
+                   "--ar_loss_weight", "1.0", "--dtype", "float32"],
+}  # fmt: skip
+
+
+def _train(capacity: str, samples: int, args) -> Path:
+    out = Path(args.runs) / f"{capacity}-{samples}"
+    if (out / "config.json").is_file() and (out / "trainer_state.json").is_file():
+        return out
+    steps = max(20, args.epochs * samples // BATCH)
+    command = [
+        "d3d-hf", "train", "--target", "smollm2-135m-instruct", "--data", args.data, "--output_dir", str(out),
+        "--max_samples", str(samples), "--max_steps", str(steps), "--per_device_train_batch_size", str(BATCH),
+        "--lr_scheduler_type", "cosine", "--warmup_steps", str(min(50, steps // 10)), "--anchors_per_sequence", "8",
+        "--position_weight_gamma", "7", "--logging_steps", "10", "--save_strategy", "steps", "--save_steps", "50",
+        "--save_total_limit", "1", "--tau_eval_steps", "0", "--tau_holdout", "4", "--resume_from_checkpoint", "auto",
+        "--use_cpu", "--threads", str(args.threads), "--report_to", "none", *CAPACITIES[capacity],
+    ]  # fmt: skip
+    print("+", " ".join(command), flush=True)
+    subprocess.run(command, check=True)
+    return out
+
+
+def _measure(capacity: str, samples: int, folder: Path, args) -> dict[str, dict]:
+    found = {}
+    for name, (offset, limit) in SETS.items():
+        path = RESULTS / f"{capacity}-{samples}-{name}.json"
+        if not path.is_file():
+            command = [
+                sys.executable, str(ROOT / "benchmarks" / "trl" / "compare_tau.py"), "--drafters", str(folder),
+                "--prompts", name, "--offset", str(offset), "--limit", str(limit), "--max-new-tokens", "128",
+                "--threads", str(args.threads), "--output", str(path),
+            ]  # fmt: skip
+            print("+", " ".join(command), flush=True)
+            subprocess.run(command, check=True)
+        result = json.loads(path.read_text())
+        found[name] = {"tau": next(iter(result["tau"].values())), "lossless": next(iter(result["lossless"].values()))}
+    return found
+
+
+def _render(table: dict, args) -> None:
+    from d3d_hf.modeling.calibration_d3d import cpu_model
+
+    lines = [
+        "Drafter-alone tau (full blocks, no prompt lookup, greedy, float32, 128 new tokens; lossless share in "
+        f"brackets) against training samples seen; CPU: {cpu_model()}; `python benchmarks/learning_curve.py "
+        f"--samples {args.samples} --capacities {args.capacities} --epochs {args.epochs}`",
+        "",
+        "| capacity | samples | " + " | ".join(f"{n} {o}-{o + k - 1}" for n, (o, k) in SETS.items()) + " |",
+        "|---|---|" + "---|" * len(SETS),
+    ]
+    for (capacity, samples), found in sorted(table.items()):
+        cells = [f"{found[n]['tau']:.2f} ({found[n]['lossless']:.0%})" for n in SETS]
+        lines.append(f"| {capacity} | {samples} | " + " | ".join(cells) + " |")
+    (RESULTS / "curve.md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for capacity in sorted({c for c, _ in table}):
+        points = sorted((s, f) for (c, s), f in table.items() if c == capacity)
+        for name in SETS:
+            ax.plot([s for s, _ in points], [f[name]["tau"] for _, f in points], marker="o", label=f"{capacity} {name}")
+    ax.set_xscale("log")
+    ax.set_xlabel("training samples (target answers)")
+    ax.set_ylabel("drafter-alone tau")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "curve.png", dpi=120)
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", default="500,1000,2000,5000", help="sample counts, comma-separated")
+    parser.add_argument("--capacities", default="adapter-r8,small6-v8k", help=f"of {sorted(CAPACITIES)}")
+    parser.add_argument("--data", default="data/smollm2-135m-instruct/answers")
+    parser.add_argument("--runs", default="runs/learning_curve")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    unknown = sorted(set(args.capacities.split(",")) - set(CAPACITIES))
+    if unknown:
+        parser.error(f"unknown capacities {unknown}: use {sorted(CAPACITIES)}")
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    table = {}
+    for capacity in args.capacities.split(","):
+        for samples in (int(n) for n in args.samples.split(",")):
+            folder = _train(capacity, samples, args)
+            table[(capacity, samples)] = _measure(capacity, samples, folder, args)
+            _render(table, args)
+
+
+if __name__ == "__main__":
+    main()
