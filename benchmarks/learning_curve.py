@@ -30,15 +30,18 @@ RESULTS = ROOT / "benchmarks" / "results" / "learning_curve"
 SETS = {"humaneval": (20, 20), "gsm8k": (0, 20), "mt-bench": (0, 20)}
 BATCH = 4
 CAPACITIES: dict[str, list[str]] = {
+    # every preset distils the target's logits at the block positions (free for block adapters: the clean stream is
+    # the target; a standalone drafter pays one no-grad target forward per batch)
     # block adapters over the target's own 30 layers (the shipped design), rank 8 and 32
     "adapter-r8": ["--train_mode", "block_adapter", "--block_lora_rank", "8", "--block_lora_alpha", "16",
-                   "--learning_rate", "5e-4", "--ar_loss_weight", "0", "--dtype", "bfloat16"],
+                   "--learning_rate", "5e-4", "--ar_loss_weight", "0", "--distill_weight", "1.0", "--dtype", "bfloat16"],
     "adapter-r32": ["--train_mode", "block_adapter", "--block_lora_rank", "32", "--block_lora_alpha", "64",
-                    "--learning_rate", "5e-4", "--ar_loss_weight", "0", "--dtype", "bfloat16"],
+                    "--learning_rate", "5e-4", "--ar_loss_weight", "0", "--distill_weight", "1.0",
+                    "--dtype", "bfloat16"],
     # a standalone 6-layer drafter over the target's depth with an 8,192-id draft vocabulary (issue 37)
     "small6-v8k": ["--shares_target_weights", "false", "--train_mode", "full", "--freeze_embeddings", "false",
                    "--layer_ids", "0,6,12,18,24,29", "--draft_vocab_size", "8192", "--learning_rate", "3e-4",
-                   "--ar_loss_weight", "1.0", "--dtype", "float32"],
+                   "--ar_loss_weight", "1.0", "--distill_weight", "1.0", "--dtype", "float32"],
 }  # fmt: skip
 
 

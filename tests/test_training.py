@@ -631,3 +631,66 @@ def test_tau_during_training_measures_the_drafter_not_the_engine(target, dataset
     assert stats.policy == str(drafter.config.block_size - 1)
     assert "lookup" not in stats.round_sources and stats.round_sources[:-1] == ["drafter"] * (stats.rounds - 1)
     assert tau == stats.tau
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# distillation on the target's logits (distill_weight)
+
+
+def test_distill_loss_reads_the_target_where_the_block_is_scored_and_the_clean_stream_gives_it_free(
+    target, dataset, monkeypatch
+):
+    """The teacher distribution of each scored block position is the target's next-token distribution at the right
+    place: on rows that are the target's own greedy answers its argmax is the very token the position is scored on.
+    For a drafter on the target's own weights (block adapters) the clean stream gives the same distribution as a
+    separate target forward, so distillation costs no extra pass. `distill_loss` is a KL: >= 0, and 0 only where the
+    drafter matches."""
+    from d3d_hf.training import objective
+
+    drafter = _drafter(target, block_lora_rank=2)
+    collator = D3DDataCollator(BLOCK, anchors_per_sequence=3, max_length=64)
+    torch.manual_seed(3)
+    batch = collator([dataset[i] for i in range(4)])
+    seen = []
+    original = objective._teacher_log_probs
+
+    def recording(drafter_, teacher, clean, inputs, rows, positions):
+        out = original(drafter_, teacher, clean, inputs, rows, positions)
+        seen.append((rows, positions, out))
+        return out
+
+    monkeypatch.setattr(objective, "_teacher_log_probs", recording)
+    scored_targets = []
+    cross_entropy = F.cross_entropy
+
+    def recording_ce(logits, labels, *args, **kwargs):
+        if kwargs.get("reduction") == "none":  # the block loss: its labels are the scored block tokens
+            scored_targets.append(labels)
+        return cross_entropy(logits, labels, *args, **kwargs)
+
+    monkeypatch.setattr(F, "cross_entropy", recording_ce)
+    with torch.no_grad():
+        free = d3d_losses(drafter, batch, BLOCK, gamma=7.0, distill=True)
+        paid = d3d_losses(drafter, batch, BLOCK, gamma=7.0, distill=True, teacher=target)
+    assert free["distill_loss"] > 0
+    torch.testing.assert_close(free["distill_loss"], paid["distill_loss"], rtol=1e-5, atol=1e-6)
+    rows, positions, logp = seen[1]
+    assert len(rows) == int(free["block_tokens"]) > 0
+    assert torch.equal(logp.argmax(-1), scored_targets[1])  # the target's greedy answer is its own argmax
+    torch.testing.assert_close(seen[0][2], logp, rtol=1e-5, atol=1e-5)
+
+
+def test_distill_weight_trains_a_standalone_drafter_with_the_target_as_teacher(target, dataset, tmp_path):
+    drafter = _drafter(target, num_layers=2)
+    config = _config(tmp_path, train_mode="full", distill_weight=1.0, ar_loss_weight=0.5)
+    with pytest.raises(ValueError, match="pass `target=`"):
+        D3DTrainer(drafter, config, train_dataset=dataset, processing_class=TOKENIZER)
+    trainer = D3DTrainer(drafter, config, train_dataset=dataset, processing_class=TOKENIZER, target=target)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert logged and all(h["distill_loss"] > 0 for h in logged)
+    assert not any(p.requires_grad for p in target.parameters())
+    with pytest.raises(ValueError, match="distill_weight"):
+        D3DTrainingConfig(output_dir=str(tmp_path / "x"), distill_weight=-1.0)
+    with pytest.raises(ValueError, match="block_loss_weight > 0"):
+        D3DTrainingConfig(output_dir=str(tmp_path / "x"), distill_weight=1.0, block_loss_weight=0.0, train_mode="full")

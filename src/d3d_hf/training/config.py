@@ -33,6 +33,11 @@ class D3DTrainingConfig(SFTConfig):
         block_loss_weight (`float`, defaults to 1.0): weight of the block-diffusion loss. 0 turns it off (the noisy
             blocks are not computed): only the next-token loss trains, i.e. an autoregressive drafter; this needs
             `ar_loss_weight > 0` and `train_mode` `"full"` or `"peft"`.
+        distill_weight (`float`, defaults to 0.0): weight of the distillation term, `KL(p || q)` between the
+            target's next-token distribution `p` and the drafter's `q` at each scored block position, position-weighted
+            like the block loss (`d3d_losses(distill=True)`). The target's distribution comes from the clean stream
+            for a drafter that shares the target's weights in `block_adapter` mode (no extra pass), otherwise from a
+            no-grad target forward per batch (the trainer needs `target=`). 0 (default) turns it off.
         max_length (`int` or `None`, defaults to 512): tokens kept per sequence; for `d3d-hf data` rows the prompt
             is cut from the left first, TRL datasets are cut from the right (`truncation_mode="keep_start"`).
 
@@ -77,6 +82,9 @@ class D3DTrainingConfig(SFTConfig):
     ar_loss_weight: float = field(default=0.5, metadata={"help": "Weight of the clean next-token loss."})
     block_loss_weight: float = field(
         default=1.0, metadata={"help": "Weight of the block-diffusion loss (0 = autoregressive drafter only)."}
+    )
+    distill_weight: float = field(
+        default=0.0, metadata={"help": "Weight of KL(target || drafter) at the block positions (logit distillation)."}
     )
     max_length: int | None = field(default=512, metadata={"help": "Tokens kept per sequence."})
     train_mode: str = field(default="block_adapter", metadata={"help": "block_adapter | full | peft"})
@@ -142,7 +150,7 @@ class D3DTrainingConfig(SFTConfig):
                     f"`{name}` must be a finite number > 0, got {value!r}: set --{name} (default "
                     f"{self.__dataclass_fields__[name].default})."
                 )
-        for name in ("mask_ratio_min", "mask_ratio_max", "ar_loss_weight", "block_loss_weight"):
+        for name in ("mask_ratio_min", "mask_ratio_max", "ar_loss_weight", "block_loss_weight", "distill_weight"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"`{name}` must be a finite number, got {getattr(self, name)!r}.")
         if not 0 < self.mask_ratio_min <= self.mask_ratio_max <= 1:
@@ -151,11 +159,13 @@ class D3DTrainingConfig(SFTConfig):
             )
         if self.anchors_per_sequence < 1:
             raise ValueError(f"`anchors_per_sequence` must be >= 1, got {self.anchors_per_sequence}.")
-        if self.ar_loss_weight < 0 or self.block_loss_weight < 0:
+        if self.ar_loss_weight < 0 or self.block_loss_weight < 0 or self.distill_weight < 0:
             raise ValueError(
                 f"Loss weights must be >= 0, got ar_loss_weight={self.ar_loss_weight}, "
-                f"block_loss_weight={self.block_loss_weight}."
+                f"block_loss_weight={self.block_loss_weight}, distill_weight={self.distill_weight}."
             )
+        if self.distill_weight > 0 and self.block_loss_weight == 0:
+            raise ValueError("`distill_weight` distils at the block positions: it needs `block_loss_weight > 0`.")
         if self.ar_loss_weight == 0 and self.block_loss_weight == 0:
             raise ValueError("`ar_loss_weight` and `block_loss_weight` are both 0: nothing to train.")
         if self.block_loss_weight == 0 and self.train_mode == "block_adapter":

@@ -84,6 +84,8 @@ def d3d_losses(
     compute_ar: bool = True,
     clean_requires_grad: bool = True,
     compute_block: bool = True,
+    distill: bool = False,
+    teacher=None,
 ) -> dict[str, torch.Tensor]:
     """The D3D training losses of one batch (module docstring), vectorised over sequences and blocks.
 
@@ -101,6 +103,14 @@ def d3d_losses(
             committed tokens).
         compute_block (`bool`): whether to run the noisy blocks and compute the block loss (0 and no block
             tokens when not).
+        distill (`bool`, defaults to `False`): also compute `distill_loss`, the position-weighted mean over the scored
+            block positions of `KL(p || q)`, where `q` is the drafter's distribution at the position and `p` the
+            target's next-token distribution at the same place (the target's logits at the block token's clean
+            position, which predict the token the block position is scored on): distillation on the target's
+            logits, as NVIDIA's DFlash recipe does. With a draft vocabulary `p` is renormalised over its ids.
+        teacher (`PreTrainedModel`, *optional*): the target, run once without gradients on the clean batch to give
+            `p`. `None`: `p` comes from the drafter's own clean stream, which is the target's when the drafter's
+            committed path is the target's (a block-adapter drafter on all of the target's layers): no extra pass.
 
     Returns:
         `dict` with scalar float32 tensors `block_loss` (weighted mean over scored block positions; 0 when none),
@@ -108,7 +118,7 @@ def d3d_losses(
         `ar_tokens`. With a draft vocabulary (`config.draft_vocab_size`) both losses are over the LM head's rows and
         a target token outside the draft vocabulary is not scored (it can never be drafted). A loss with nothing to
         score is an exact 0 that is still connected to the forward passes, so a batch of sequences too short to score
-        trains as a zero-gradient step instead of failing in `backward`.
+        trains as a zero-gradient step instead of failing in `backward`. With `distill`, also `distill_loss`.
     """
     input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
     anchors, block_masked = inputs["anchors"], inputs["block_masked"]
@@ -199,7 +209,40 @@ def d3d_losses(
     else:
         losses["block_loss"] = noisy.logits[:, :0].float().sum()  # 0, on the autograd graph of the trained weights
     losses["block_tokens"] = scored.sum()
+    if distill:
+        if scored.any():
+            rows = torch.arange(batch, device=device)[:, None, None].expand_as(pos)[scored]
+            teacher_logp = _teacher_log_probs(drafter, teacher, clean, inputs, rows, pos[scored])
+            student_logp = F.log_softmax(logits, dim=-1)
+            kl = (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)
+            losses["distill_loss"] = (kl * weights[scored]).sum() / weights[scored].sum()
+        else:
+            losses["distill_loss"] = noisy.logits[:, :0].float().sum()
     return losses
+
+
+@torch.no_grad()
+def _teacher_log_probs(drafter, teacher, clean, inputs, rows, positions) -> torch.Tensor:
+    """The target's next-token log-probabilities at `(rows, positions)` of the clean batch, float32, over the
+    drafter's head: its draft vocabulary (renormalised) when it has one, else the full vocabulary."""
+    unwrapped = getattr(drafter, "module", drafter)
+    base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+    if teacher is None:
+        hidden = clean.last_hidden_state[rows, positions]
+        logits = base.get_output_embeddings()(hidden).float()
+        vocab_ids = None  # the drafter's own head: already over its draft vocabulary
+    else:
+        backbone = getattr(teacher, "model", None)
+        if backbone is None:
+            raise ValueError(
+                f"{type(teacher).__name__} has no `.model` backbone: pass a causal LM (Llama/Qwen3 layout)."
+            )
+        out = backbone(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+        logits = teacher.get_output_embeddings()(out.last_hidden_state[rows, positions]).float()
+        vocab_ids = getattr(base, "draft_vocab_ids", None) if getattr(base.config, "draft_vocab_size", None) else None
+    if vocab_ids is not None:
+        logits = logits[:, vocab_ids.to(logits.device)]
+    return F.log_softmax(logits, dim=-1)
 
 
 __all__ = ["block_diffusion_attention_mask", "d3d_losses"]

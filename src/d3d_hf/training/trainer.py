@@ -123,6 +123,7 @@ class D3DTrainer(SFTTrainer):
                 )
         self.drafter = model
         self.target = target
+        self._distill_teacher = self._teacher_for_distillation(model, args, target)
         self.tau_prompts = tau_prompts or []
         peft_config = self._peft_config(model, args, peft_config)
         self._prepare_trainable(model, args)
@@ -214,6 +215,27 @@ class D3DTrainer(SFTTrainer):
             return dataset
         return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
 
+    @staticmethod
+    def _teacher_for_distillation(model, args, target):
+        """Where `distill_weight` reads the target's distribution: `None` (the clean stream, which is the target's for
+        a drafter sharing its weights in `block_adapter` mode) or `target` (a no-grad forward per batch).
+
+        Raises:
+            ValueError: `distill_weight > 0` for a drafter with its own committed path and no `target`.
+        """
+        if args.distill_weight <= 0:
+            return None
+        if model.config.shares_target_weights and args.train_mode == "block_adapter":
+            return None
+        if target is None:
+            raise ValueError(
+                "`distill_weight > 0` distils the target's distribution, and this drafter's committed path is not the "
+                "target's (its own weights, or a train_mode that changes them): pass `target=` to D3DTrainer (d3d-hf "
+                "train does), or set distill_weight=0."
+            )
+        target.requires_grad_(False)
+        return target.eval()
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The D3D objective: `block_loss_weight * block_loss + ar_loss_weight * ar_loss` (`d3d_losses`); both parts
         are logged (averaged over processes and the steps since the last log) next to TRL's `num_tokens`."""
@@ -225,10 +247,14 @@ class D3DTrainer(SFTTrainer):
             compute_ar=self.args.ar_loss_weight > 0,
             clean_requires_grad=self.clean_requires_grad,
             compute_block=self.args.block_loss_weight > 0,
+            distill=self.args.distill_weight > 0,
+            teacher=self._distill_teacher,
         )
         loss = self.args.block_loss_weight * losses["block_loss"] + self.args.ar_loss_weight * losses["ar_loss"]
+        if self.args.distill_weight > 0:
+            loss = loss + self.args.distill_weight * losses["distill_loss"]
         mode = "train" if self.model.training else "eval"
-        for key in ("block_loss", "ar_loss"):
+        for key in ("block_loss", "ar_loss", *(("distill_loss",) if self.args.distill_weight > 0 else ())):
             value = self.accelerator.gather_for_metrics(losses[key].detach().reshape(1)).mean()
             self._metrics[mode][key].append(float(value))
         if mode == "train":
@@ -312,6 +338,7 @@ class D3DTrainer(SFTTrainer):
             "anchors_per_sequence": args.anchors_per_sequence,
             "block_loss_weight": args.block_loss_weight,
             "ar_loss_weight": args.ar_loss_weight,
+            "distill_weight": args.distill_weight,
             "position_weight_gamma": args.position_weight_gamma,
             "max_length": args.max_length,
             "seed": args.seed,
