@@ -34,7 +34,8 @@ CAPACITIES: dict[str, list[str]] = {
     # the target; a standalone drafter pays one no-grad target forward per batch)
     # block adapters over the target's own 30 layers (the shipped design), rank 8 and 32
     "adapter-r8": ["--train_mode", "block_adapter", "--block_lora_rank", "8", "--block_lora_alpha", "16",
-                   "--learning_rate", "5e-4", "--ar_loss_weight", "0", "--distill_weight", "1.0", "--dtype", "bfloat16"],
+                   "--learning_rate", "5e-4", "--ar_loss_weight", "0", "--distill_weight", "1.0",
+                   "--dtype", "bfloat16"],
     "adapter-r32": ["--train_mode", "block_adapter", "--block_lora_rank", "32", "--block_lora_alpha", "64",
                     "--learning_rate", "5e-4", "--ar_loss_weight", "0", "--distill_weight", "1.0",
                     "--dtype", "bfloat16"],
