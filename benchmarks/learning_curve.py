@@ -26,7 +26,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "learning_curve"
 SETS = {"humaneval": (20, 20), "gsm8k": (0, 20), "mt-bench": (0, 20)}
 BATCH = 4
 CAPACITIES: dict[str, list[str]] = {
@@ -67,11 +66,13 @@ def _train(capacity: str, samples: int, args) -> Path:
 def _measure(capacity: str, samples: int, folder: Path, args) -> dict[str, dict]:
     found = {}
     for name, (offset, limit) in SETS.items():
-        path = RESULTS / f"{capacity}-{samples}-{name}.json"
+        limit = args.limit or limit
+        path = Path(args.results) / f"{capacity}-{samples}-{name}.json"
         if not path.is_file():
             command = [
                 sys.executable, str(ROOT / "benchmarks" / "trl" / "compare_tau.py"), "--drafters", str(folder),
-                "--prompts", name, "--offset", str(offset), "--limit", str(limit), "--max-new-tokens", "128",
+                "--prompts", name, "--offset", str(offset), "--limit", str(limit),
+                "--max-new-tokens", str(args.max_new_tokens),
                 "--threads", str(args.threads), "--output", str(path),
             ]  # fmt: skip
             print("+", " ".join(command), flush=True)
@@ -95,7 +96,7 @@ def _render(table: dict, args) -> None:
     for (capacity, samples), found in sorted(table.items()):
         cells = [f"{found[n]['tau']:.2f} ({found[n]['lossless']:.0%})" for n in SETS]
         lines.append(f"| {capacity} | {samples} | " + " | ".join(cells) + " |")
-    (RESULTS / "curve.md").write_text("\n".join(lines) + "\n")
+    (Path(args.results) / "curve.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,7 +113,7 @@ def _render(table: dict, args) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(RESULTS / "curve.png", dpi=120)
+    fig.savefig(Path(args.results) / "curve.png", dpi=120)
     print("\n".join(lines))
 
 
@@ -124,12 +125,15 @@ def main() -> None:
     parser.add_argument("--runs", default="runs/learning_curve")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--limit", type=int, default=None, help="prompts per set (default 20; fewer: a smoke run)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "learning_curve"))
     args = parser.parse_args()
     unknown = sorted(set(args.capacities.split(",")) - set(CAPACITIES))
     if unknown:
         parser.error(f"unknown capacities {unknown}: use {sorted(CAPACITIES)}")
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    Path(args.results).mkdir(parents=True, exist_ok=True)
     table = {}
     for capacity in args.capacities.split(","):
         for samples in (int(n) for n in args.samples.split(",")):
