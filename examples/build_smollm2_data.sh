@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the committed training data of the SmolLM2-135M-Instruct drafters (issue 35): ~20,000 prompts from five
+# Builds the committed training data of the SmolLM2-135M-Instruct drafters (issue 35): ~23,000 prompts from six
 # sources, answered greedily by the target itself, in token-id shards under data/smollm2-135m-instruct/.
 # Every step resumes: run the script again after an interruption (or in the next session) and it goes on.
 #   THREADS=1 bash examples/build_smollm2_data.sh      # in the background while other work uses the second core
@@ -7,7 +7,7 @@ set -euo pipefail
 THREADS=${THREADS:-1}
 ROOT=${ROOT:-data/smollm2-135m-instruct}
 MAGPIE="$ROOT/prompts/magpie.jsonl"
-MAGPIE_COUNTS=${MAGPIE_COUNTS:-code=750,math=500,writing=350,explanation=350,advice=250,roleplay=200,extraction=200,general=400}
+MAGPIE_COUNTS=${MAGPIE_COUNTS:-code=1500,math=1000,writing=700,explanation=700,advice=500,roleplay=400,extraction=400,general=800}
 PROMPTS=${PROMPTS:-stdlib:6500,math:2000,math-extra:2500,chat:2000,chat-extra:4000,$MAGPIE}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-512}
 export OMP_NUM_THREADS=$THREADS
