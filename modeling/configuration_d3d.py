@@ -11,6 +11,15 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+#: The version stamp of this remote-code bundle (the `modeling/` files, copied next to every saved checkpoint). One
+#: process has one generate hook, installed by the first bundle copy that asks (`hooks_d3d.install_generation_hook`:
+#: `d3d_hf.modeling`, or a checkpoint's copy loaded with `trust_remote_code=True`), and it drives every D3D drafter
+#: of the process; it refuses a drafter whose class carries another stamp (`hooks_d3d.check_bundle_version`).
+#: Bump it whenever the contract between the hook and the bundle's generator changes: what the hook calls on the
+#: drafter or passes to `build_candidate_generator`, what it stores on the call's `GenerationConfig` for the
+#: generator to read (the resolved options), or what `decoding_d3d`'s loops expect of the generator.
+BUNDLE_VERSION = 1
+
 DEFAULT_BLOCK_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: Fields a saved config (`config.json`) must hold: their defaults would silently build a different drafter
 #: (other shapes, other numerics, a different block size) from the same weights. `save_pretrained` writes them all.
@@ -528,4 +537,4 @@ class D3DConfig(PretrainedConfig):
         return loaded
 
 
-__all__ = ["DEFAULT_BLOCK_LORA_MODULES", "REQUIRED_CONFIG_FIELDS", "D3DConfig", "validate_config"]
+__all__ = ["BUNDLE_VERSION", "DEFAULT_BLOCK_LORA_MODULES", "REQUIRED_CONFIG_FIELDS", "D3DConfig", "validate_config"]

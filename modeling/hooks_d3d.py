@@ -7,7 +7,9 @@ wraps `GenerationMixin._get_candidate_generator` (defers to any assistant with a
 `_validate_generation_mode` (checks a D3D assistant's config, options and `use_cache` first),
 `_prepare_generation_config` (moves `d3d_*` keyword arguments of `generate` into the call's `GenerationConfig`, as
 transformers does with its own options) and `_assisted_decoding` (`decoding_d3d`); `remove_generation_hook` undoes
-all four.
+all four. The hook is installed once per process, by whichever copy of the bundle asks first (`d3d_hf.modeling` or a
+checkpoint's copy loaded with `trust_remote_code=True`), and drives the drafters of every copy: it refuses, before
+any forward pass, a drafter from a bundle of another version (`check_bundle_version`, `BUNDLE_VERSION`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import transformers
 from transformers import PreTrainedModel
 from transformers.generation import GenerationMixin
 
-from .configuration_d3d import validate_config
+from .configuration_d3d import BUNDLE_VERSION, validate_config
 from .decoding_d3d import install_decoding_hook, remove_decoding_hook
 from .options_d3d import PREFIX, check_option_names, resolve_call_options
 
@@ -68,6 +70,35 @@ def check_prompt_and_drafter(drafter: PreTrainedModel, prompt_length: int, targe
         )
 
 
+def check_bundle_version(drafter) -> None:
+    """Refuses to drive a D3D drafter whose class comes from a bundle copy of another version than this hook's.
+
+    One process has one generate hook, installed by the first copy of the bundle that asks: `import d3d_hf`, or a
+    drafter loaded with `trust_remote_code=True` (transformers imports the checkpoint folder's own copy of these
+    files; after `import d3d_hf` it loads d3d_hf's registered class instead, so the two copies meet when such a
+    drafter was loaded first). That hook builds the candidate generator and runs the loop for every D3D drafter of
+    the process, so the drafter's bundle must speak the same contract: its class's `_d3d_bundle_version` must equal
+    this module's `BUNDLE_VERSION` (`configuration_d3d`).
+
+    Raises:
+        ValueError: naming both versions, the drafter's module and the fix, when the stamps differ or the drafter's
+            bundle has none (saved before bundles were stamped).
+    """
+    version = getattr(type(drafter), "_d3d_bundle_version", None)
+    if version == BUNDLE_VERSION:
+        return
+    found = "no version stamp (saved before bundles were stamped)" if version is None else f"version {version!r}"
+    raise ValueError(
+        f"This D3D drafter's code is a d3d-hf bundle with {found} (its class is in `{type(drafter).__module__}`), "
+        f"but the generate hook installed in this process is bundle version {BUNDLE_VERSION!r} (`{__name__}`), and "
+        "it drives only drafters of its own version. Load every drafter of the process with the installed d3d-hf, "
+        "`d3d_hf.drafters.load_drafter(folder)` (or `AutoModel.from_pretrained(folder)` after `import d3d_hf`) "
+        "instead of `trust_remote_code=True`, in a new process (or after `d3d_hf.remove_generation_hook()` and "
+        "`d3d_hf.install_generation_hook()`); or re-save the checkpoint with the installed d3d-hf "
+        "(`load_drafter(folder).save_pretrained(folder)`) so that its bundle is current."
+    )
+
+
 def check_generate_call(drafter: PreTrainedModel, generation_config) -> None:
     """What D3D checks at the start of `target.generate(..., assistant_model=drafter)`, before transformers' own checks
     of the assistant and before any forward pass: the drafter's config (`validate_config`, for fields set by hand such
@@ -79,10 +110,12 @@ def check_generate_call(drafter: PreTrainedModel, generation_config) -> None:
         generation_config (`GenerationConfig`): the call's generation config (after `generate`'s keyword arguments).
 
     Raises:
-        ValueError: naming the drafter config field (`validate_config`), an option `D3DGenerationOptions.resolve`
+        ValueError: for a drafter from a bundle of another version (`check_bundle_version`, checked first), naming
+            the drafter config field (`validate_config`), an option `D3DGenerationOptions.resolve`
             refuses (an unknown `d3d_*` name, a value out of range, a transformers assisted-generation option a D3D
             drafter does not use), or `use_cache=False`.
     """
+    check_bundle_version(drafter)
     validate_config(drafter.config)
     resolve_call_options(generation_config, drafter)  # once per call: the later steps read them (`call_options`)
     if generation_config.use_cache is False:
@@ -190,6 +223,7 @@ def install_generation_hook() -> None:
     ):
         build = getattr(assistant_model, "build_candidate_generator", None)
         if build is not None:
+            check_bundle_version(assistant_model)  # also here: the validation hook is skipped on some transformers
             check_generate_inputs(assistant_model, input_ids, model_kwargs)
             return build(
                 input_ids=input_ids,
@@ -304,6 +338,7 @@ def remove_generation_hook() -> None:
 
 __all__ = [
     "SUPPORTED_TRANSFORMERS",
+    "check_bundle_version",
     "check_generate_call",
     "check_generate_inputs",
     "check_prompt_and_drafter",

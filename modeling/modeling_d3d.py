@@ -26,7 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .adapters_d3d import D3DLinear
 from .checkpoint_d3d import check_weight_files, push_handler, save_folder_atomically, save_hooks
-from .configuration_d3d import D3DConfig, validate_config
+from .configuration_d3d import BUNDLE_VERSION, D3DConfig, validate_config
 from .drafting_d3d import (
     D3DCache,
     D3DPackedDraft,
@@ -343,6 +343,8 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _is_d3d_drafter = True
+    #: the stamp of the bundle copy this class comes from: the installed generate hook drives only its own version
+    _d3d_bundle_version = BUNDLE_VERSION
 
     def __init__(self, config: D3DConfig) -> None:
         validate_config(config)  # a config edited by hand after it was built is checked here too

@@ -1,12 +1,14 @@
 """Checkpoints (modeling/checkpoint_d3d.py) on tiny random float32 models: save/load round trips, with and without
-`trust_remote_code` (also in a process without d3d_hf); atomic saves (an interrupted save keeps the previous
-checkpoint and leaves no temporary folder; other files in the folder are kept; weights of an earlier save never
-shadow the new ones) and the checks at load time (no mask token, missing weights, a config that does not fit the
-weights or lacks required fields, damaged safetensors files and shards).
+`trust_remote_code` (also in a process without d3d_hf, and next to d3d_hf: the installed generate hook drives a
+checkpoint's bundle of the same version and refuses one of another `BUNDLE_VERSION`); atomic saves (an interrupted
+save keeps the previous checkpoint and leaves no temporary folder; other files in the folder are kept; weights of an
+earlier save never shadow the new ones) and the checks at load time (no mask token, missing weights, a config that
+does not fit the weights or lacks required fields, damaged safetensors files and shards).
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -99,6 +101,126 @@ def test_remote_code_without_d3d_hf_installed(drafter, tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "OK" in result.stdout
+
+
+def _run_isolated(script: str, tmp_path: Path) -> None:
+    """Runs `script` in a fresh interpreter (tests/ on its path) whose Hugging Face caches are new folders under
+    `tmp_path`: `HF_MODULES_CACHE` is where transformers copies and imports remote code (`transformers_modules`), so
+    no test sees another's copy of the bundle."""
+    env = {
+        **os.environ,
+        "HF_HOME": str(tmp_path / "hf_home"),
+        "HF_MODULES_CACHE": str(tmp_path / "hf_modules"),
+        "HF_HUB_OFFLINE": "1",
+    }
+    prelude = f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+    result = subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(script)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "OK" in result.stdout
+
+
+#: how a process ends up with two copies of the bundle: a drafter loaded with `trust_remote_code=True` before `import
+#: d3d_hf` is the checkpoint's own copy (afterwards transformers prefers the class d3d_hf registers), and its hook,
+#: installed first, stays the process's hook; d3d_hf's hook is swapped in by hand for the other direction
+_TWO_COPIES = """
+    import torch
+    from _tiny import random_prompt, tiny_target
+    from transformers import AutoModel
+    from transformers.generation import GenerationMixin
+
+    remote = AutoModel.from_pretrained({path!r}, trust_remote_code=True)
+    import d3d_hf
+    from d3d_hf.modeling.configuration_d3d import BUNDLE_VERSION
+
+    module = type(remote).__module__
+    assert module.startswith("transformers_modules"), module
+    remote_hooks = sys.modules[module.rsplit(".", 1)[0] + ".hooks_d3d"]
+
+    def hook_module():
+        return GenerationMixin._get_candidate_generator.__globals__["__name__"]
+
+    def use_d3d_hf_hook():
+        d3d_hf.remove_generation_hook()
+        d3d_hf.install_generation_hook()
+        assert hook_module() == "d3d_hf.modeling.hooks_d3d", hook_module()
+
+    assert hook_module() == remote_hooks.__name__, hook_module()  # `import d3d_hf` kept the installed hook
+    target = tiny_target("qwen3")
+    ids = random_prompt(5)
+    reference = target.generate(ids, max_new_tokens=20, do_sample=False)
+
+    def decodes_as_the_target(assistant):
+        out = target.generate(ids, assistant_model=assistant, max_new_tokens=20, do_sample=False)
+        assert torch.equal(out, reference)
+        assert assistant.last_generation_stats.rounds > 0  # the D3D candidate generator was used
+"""
+
+
+def test_remote_code_drafter_of_another_bundle_version_is_refused(drafter, tmp_path):
+    """Two copies of the bundle in one process, the checkpoint's stamped with another `BUNDLE_VERSION`: each copy's
+    hook drives its own drafters and refuses the other's before any forward pass, naming both versions and the fix."""
+    path = tmp_path / "stamped-drafter"
+    drafter.save_pretrained(path)
+    source = (path / "configuration_d3d.py").read_text(encoding="utf-8")
+    edited, count = re.subn(r"^BUNDLE_VERSION = .*$", "BUNDLE_VERSION = 999", source, flags=re.MULTILINE)
+    assert count == 1
+    (path / "configuration_d3d.py").write_text(edited, encoding="utf-8")
+    script = """
+    assert remote._d3d_bundle_version == 999 and BUNDLE_VERSION != 999
+    forwards = []
+    target.register_forward_pre_hook(lambda *args: forwards.append(1))
+
+    def refused(assistant, found, hook_version, hook_module):
+        forwards.clear()
+        assistant.register_forward_pre_hook(lambda *args: forwards.append(1))
+        try:
+            target.generate(ids, assistant_model=assistant, max_new_tokens=8, do_sample=False)
+        except ValueError as err:
+            message = str(err)
+        else:
+            raise AssertionError("a drafter of another bundle version was not refused")
+        parts = [
+            f"d3d-hf bundle with version {found} (its class is in `{type(assistant).__module__}`)",
+            f"hook installed in this process is bundle version {hook_version} (`{hook_module}`)",
+            "d3d_hf.drafters.load_drafter(folder)",
+            "instead of `trust_remote_code=True`, in a new process",
+            "d3d_hf.remove_generation_hook()",
+            "load_drafter(folder).save_pretrained(folder)",
+        ]
+        for part in parts:
+            assert part in message, (part, message)
+        assert not forwards, "a forward pass ran before the refusal"
+
+    decodes_as_the_target(remote)  # the checkpoint's hook drives its own drafter
+    own = d3d_hf.D3DForDiffusionDrafting.from_autoregressive(target, layer_ids=[0, 2], block_size=4)
+    refused(own, BUNDLE_VERSION, 999, remote_hooks.__name__)
+    use_d3d_hf_hook()
+    refused(remote, 999, BUNDLE_VERSION, "d3d_hf.modeling.hooks_d3d")
+    print("OK")
+    """
+    _run_isolated(_TWO_COPIES.format(path=str(path)) + script, tmp_path)
+
+
+def test_remote_code_drafter_of_the_same_bundle_version_decodes_next_to_d3d_hf(drafter, tmp_path):
+    """The normal case: two copies of a bundle of the same version in one process; whichever hook is installed drives
+    both copies' drafters, and each decodes as the target alone."""
+    path = tmp_path / "same-version-drafter"
+    drafter.save_pretrained(path)
+    script = f"""
+    from d3d_hf.drafters import load_drafter
+
+    own = load_drafter({str(path)!r})
+    assert type(own).__module__.startswith("d3d_hf."), type(own).__module__
+    decodes_as_the_target(remote)
+    decodes_as_the_target(own)  # d3d_hf's drafter, driven by the checkpoint's hook
+    use_d3d_hf_hook()
+    decodes_as_the_target(remote)  # the checkpoint's drafter, driven by d3d_hf's hook
+    decodes_as_the_target(own)
+    print("OK")
+    """
+    _run_isolated(_TWO_COPIES.format(path=str(path)) + script, tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -9,11 +9,12 @@ before `generate`) and checks that each is refused with a `ValueError` that name
 
 import copy
 import math
+import re
 
 import pytest
 import torch
 from _tiny import random_prompt, tiny_target
-from d3d_hf.modeling.configuration_d3d import DEFAULT_BLOCK_LORA_MODULES, validate_config
+from d3d_hf.modeling.configuration_d3d import BUNDLE_VERSION, DEFAULT_BLOCK_LORA_MODULES, validate_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig, GenerationConfig
@@ -412,6 +413,51 @@ def test_validation_hook_is_idempotent_and_reversible(pair):
         install_generation_hook()
     assert getattr(GenerationMixin._validate_generation_mode, "_d3d_generation_hook", False)
     _refused(target, drafter, "`use_cache=False`", random_prompt(), use_cache=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the bundle's version stamp: the installed hook drives only drafters of its own bundle version (issue 36)
+
+
+def _stamp_refusal(found: str) -> str:
+    return (
+        rf"{re.escape(found)}.*generate hook installed in this process is bundle version {BUNDLE_VERSION!r}"
+        r".*load_drafter\(folder\).*instead of `trust_remote_code=True`.*save_pretrained\(folder\)"
+    )
+
+
+@pytest.mark.parametrize("stamp", [BUNDLE_VERSION + 1, "0.9", None], ids=["newer", "other", "unstamped"])
+def test_drafter_of_another_bundle_version_is_refused(pair, monkeypatch, stamp):
+    """A drafter whose class carries another stamp (a checkpoint's remote-code copy of another d3d-hf, simulated here
+    on the class; tests/test_checkpoint.py loads a real one) or none is refused before any forward pass."""
+    target, drafter = pair
+    if stamp is None:
+        monkeypatch.delattr(D3DForDiffusionDrafting, "_d3d_bundle_version")
+    else:
+        monkeypatch.setattr(D3DForDiffusionDrafting, "_d3d_bundle_version", stamp)
+    found = "no version stamp" if stamp is None else f"version {stamp!r}"
+    _refused(target, drafter, _stamp_refusal(found), random_prompt())
+
+
+def test_candidate_generator_factory_checks_the_stamp_too(pair, monkeypatch):
+    """On a transformers whose `_validate_generation_mode` the hook cannot wrap, the factory refuses the drafter."""
+    from transformers.generation import GenerationMixin
+
+    target, drafter = pair
+    original = GenerationMixin._validate_generation_mode._d3d_original
+    monkeypatch.setattr(GenerationMixin, "_validate_generation_mode", original)
+    monkeypatch.setattr(D3DForDiffusionDrafting, "_d3d_bundle_version", BUNDLE_VERSION + 1)
+    _refused(target, drafter, _stamp_refusal(f"version {BUNDLE_VERSION + 1!r}"), random_prompt())
+
+
+def test_drafter_of_the_same_bundle_version_decodes_as_the_target():
+    target = tiny_target("llama", seed=3)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    assert type(drafter)._d3d_bundle_version == BUNDLE_VERSION
+    ids = random_prompt()
+    reference = target.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(_generate(target, drafter, ids, max_new_tokens=12), reference)
+    assert drafter.last_generation_stats.rounds > 0
 
 
 def test_model_constructor_checks_a_config_edited_after_it_was_built():
