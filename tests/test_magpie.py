@@ -95,3 +95,27 @@ def test_requests_the_guard_now_refuses_leave_the_file_and_ids_stay_unique(tiny,
     ids = [p.id for p in prompts]
     assert "magpie/code/1" not in ids and ids[:2] == ["magpie/code/0", "magpie/code/2"]
     assert len(set(ids)) == len(ids) and all(int(i.rsplit("/", 1)[1]) != 1 for i in ids)
+
+
+def test_domains_grow_in_proportion(tiny, tmp_path, monkeypatch):
+    """Each batch goes to the domain furthest behind its count, so a run stopped early (here: killed at its fourth
+    batch) has sampled every domain rather than only the first."""
+    from d3d_hf.prompts import magpie
+
+    model, tok = tiny
+    model.generation_config.eos_token_id = 2
+    original, calls = magpie._sample, []
+
+    def dies_at_the_fourth_batch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt("killed")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(magpie, "_sample", dies_at_the_fourth_batch)
+    out = tmp_path / "p.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        magpie_requests(model, tok, out, {"code": 50, "math": 50, "general": 50}, batch_size=4, max_new_tokens=4,
+                        progress=False)  # fmt: skip
+    stats = json.loads((tmp_path / "p.jsonl.stats.json").read_text())
+    assert {d: e["batches"] for d, e in stats["domains"].items()} == {"code": 1, "math": 1, "general": 1}

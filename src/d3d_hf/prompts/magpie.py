@@ -200,11 +200,13 @@ def magpie_requests(
 ) -> list[Prompt]:
     """Sample training requests from the target (Magpie) into a JSONL prompt file; resumes a file it wrote before.
 
-    For each domain of ``counts`` (keys of :data:`MAGPIE_DOMAINS`), batches of ``batch_size`` requests are sampled,
-    each batch after one of the domain's system prompts in turn, until the file holds ``counts[domain]`` requests of
-    that domain. A request is kept when it passes :func:`clean_request`, its normalised text (lowercased
-    alphanumeric words) is new, and it is neither an evaluation prompt nor a near-duplicate of one
-    (:func:`~d3d_hf.prompts.near_evaluation_match`). Each kept request is appended to ``output_file`` as one line
+    Batches of ``batch_size`` requests are sampled, each for the domain of ``counts`` (keys of
+    :data:`MAGPIE_DOMAINS`) furthest behind its count (then the one sampled least for its count), so that a run stopped
+    early holds every domain in proportion, and after one of that domain's system prompts in turn, until the file
+    holds ``counts[domain]`` requests of each domain. A request is kept when it passes :func:`clean_request`, its
+    normalised text (lowercased alphanumeric words) is new, and it is neither an evaluation prompt nor a
+    near-duplicate of one (:func:`~d3d_hf.prompts.near_evaluation_match`). Each kept request is appended to
+    ``output_file`` as one line
     ``{"id": "magpie/<domain>/<n>", "messages": [{"role": "user", "content": request}], "domain", "system"}``,
     flushed after each batch, so a killed run called again goes on from the requests already in the file (the
     file's requests count toward ``counts``; those the evaluation guard refuses by then are removed from it; ids are
@@ -282,47 +284,54 @@ def magpie_requests(
     bar = tqdm(total=sum(counts.values()), initial=sum(min(have[d], n) for d, n in counts.items()), unit="request",
                disable=not progress)  # fmt: skip
     with path.open("a", encoding="utf-8") as out:
-        for domain, wanted in counts.items():
+        done_here: Counter = Counter()
+        limits = {d: max_batches_per_domain or (20 * n // batch_size + 20) for d, n in counts.items()}
+        order = list(counts)
+        while True:
+            pending = [d for d in order if have[d] < counts[d] and done_here[d] < limits[d]]
+            if not pending:
+                break
+            # the domain furthest behind its count: a run stopped early holds every domain in proportion
+            batches = {d: by_domain.get(d, {}).get("batches", 0) for d in pending}
+            domain = min(pending, key=lambda d: (have[d] / counts[d], batches[d] / counts[d], order.index(d)))
+            wanted = counts[domain]
             entry = by_domain.setdefault(domain, {"batches": 0, "sampled": 0, "reasons": {}, "seconds": 0.0})
-            limit = max_batches_per_domain or (20 * wanted // batch_size + 20)
             systems = MAGPIE_DOMAINS[domain]
-            done_here = 0
-            while have[domain] < wanted and done_here < limit:
-                b = entry["batches"]
-                system = systems[b % len(systems)]
-                torch.manual_seed(seed + zlib.crc32(domain.encode("utf-8")) + b)
-                start = time.perf_counter()
-                rows = _sample(target, query_prefix(tokenizer, system), batch_size, max_new_tokens, temperature,
-                               top_p, eos_ids, pad_id)  # fmt: skip
-                entry["seconds"] = round(entry["seconds"] + time.perf_counter() - start, 2)
-                for ids, finished in rows:
-                    text, reason = clean_request(tokenizer.decode(ids, skip_special_tokens=True), finished)
-                    if text is not None:
-                        key = _normalized(text)
-                        if key in seen:
-                            text, reason = None, "duplicate"
-                        elif _refused(text):
-                            text, reason = None, "near_evaluation"
-                    entry["reasons"][reason] = entry["reasons"].get(reason, 0) + 1
-                    if text is None or have[domain] >= wanted:
-                        continue
-                    seen.add(key)
-                    record = {
-                        "id": f"magpie/{domain}/{next_index[domain]}",
-                        "messages": [{"role": "user", "content": text}],
-                        "domain": domain,
-                        "system": system,
-                    }
-                    out.write(json.dumps(record, ensure_ascii=False) + "\n")
-                    records.append(record)
-                    have[domain] += 1
-                    next_index[domain] += 1
-                    bar.update(1)
-                out.flush()
-                entry["batches"] += 1
-                entry["sampled"] += len(rows)
-                done_here += 1
-                stats_path.write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
+            b = entry["batches"]
+            system = systems[b % len(systems)]
+            torch.manual_seed(seed + zlib.crc32(domain.encode("utf-8")) + b)
+            start = time.perf_counter()
+            rows = _sample(target, query_prefix(tokenizer, system), batch_size, max_new_tokens, temperature,
+                           top_p, eos_ids, pad_id)  # fmt: skip
+            entry["seconds"] = round(entry["seconds"] + time.perf_counter() - start, 2)
+            for ids, finished in rows:
+                text, reason = clean_request(tokenizer.decode(ids, skip_special_tokens=True), finished)
+                if text is not None:
+                    key = _normalized(text)
+                    if key in seen:
+                        text, reason = None, "duplicate"
+                    elif _refused(text):
+                        text, reason = None, "near_evaluation"
+                entry["reasons"][reason] = entry["reasons"].get(reason, 0) + 1
+                if text is None or have[domain] >= wanted:
+                    continue
+                seen.add(key)
+                record = {
+                    "id": f"magpie/{domain}/{next_index[domain]}",
+                    "messages": [{"role": "user", "content": text}],
+                    "domain": domain,
+                    "system": system,
+                }
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                records.append(record)
+                have[domain] += 1
+                next_index[domain] += 1
+                bar.update(1)
+            out.flush()
+            entry["batches"] += 1
+            entry["sampled"] += len(rows)
+            done_here[domain] += 1
+            stats_path.write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
     bar.close()
     return [Prompt(id=r["id"], messages=r["messages"]) for r in records]
 
