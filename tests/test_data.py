@@ -275,3 +275,12 @@ def test_partial_run_trains_from_shards_and_keeps_the_given_order(tiny, tmp_path
         generate_dataset(model, tok, prompts[:4], tmp_path / "x", progress=False, shard_format="parquet")
     with pytest.raises(FileNotFoundError, match="no shards"):
         load_generated_rows(tmp_path / "empty")
+
+
+def test_settings_count_prompts_by_source(tiny, tmp_path):
+    model, tok = tiny
+    ids = ["stdlib/os.path/join/explain", "math-extra/0", "chat/1", "magpie/code/0", "mine-3"]
+    prompts = [Prompt(id=i, messages=p.messages) for i, p in zip(ids, _prompts(5), strict=True)]
+    generate_dataset(model, tok, prompts, tmp_path, max_new_tokens=2, progress=False)
+    counts = json.loads((tmp_path / SETTINGS_FILE).read_text())["prompt_counts"]
+    assert counts == {"chat": 1, "file": 1, "magpie": 1, "math-extra": 1, "stdlib": 1, "stdlib_kinds": {"explain": 1}}

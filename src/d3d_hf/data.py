@@ -248,8 +248,11 @@ def _prepare_output(output_dir: Path, settings: dict, resume: bool, overwrite: b
 
 
 def _prompt_counts(prompts: Sequence[Prompt]) -> dict:
-    """Prompts by source (`stdlib`, `math`, `chat`, or `file` for JSONL prompts), and the stdlib ones by kind."""
-    named = ("stdlib/", "math/", "chat/")
+    """Prompts by source (`stdlib`, a templated source such as `math` or `chat-extra`, `magpie` for the requests of
+    `d3d-hf magpie`, or `file` for other JSONL prompts), and the stdlib ones by kind."""
+    from .prompts import SYNTHETIC_SOURCES
+
+    named = tuple(f"{name}/" for name in ("stdlib", "magpie", *SYNTHETIC_SOURCES))
     counts = Counter(p.id.split("/", 1)[0] if p.id.startswith(named) else "file" for p in prompts)
     kinds = Counter(p.id.rsplit("/", 1)[1] for p in prompts if p.id.startswith("stdlib/"))
     out = dict(sorted(counts.items()))
