@@ -19,19 +19,16 @@ on the target's own layers reads the same cache with the same validity (`DraftPa
 its own `D3DCache` gets its own `RaggedSlots`. A finished sequence is removed from both caches' batch axis, so it
 stops costing rows.
 
-**The rounds** (`BatchedRounds.plan`): the drafter's cost-aware policy rates, for the whole batch, a plain target
-step, a prompt-lookup round (each sequence its own match) and a draft pass of `m` masks for every sequence (each
-sequence may send its lookup match instead where that is expected to give more), by the same rule as one sequence
-with its terms summed over the sequences: expected committed tokens of the batch per second, with the verify
-curve read at the batch's total rows `batch x R` and the draft curve at `batch x (pending + m)`; after the pass, one
-number `k` of drafts for every drafting sequence, by the same rule on the drafts' calibrated confidences. A fixed
-`d3d_num_drafts=k` drafts `k` masks for every sequence each round. A drafter that reads the target's cache drafts
-nothing in the prefill round (its pass would compute the prompts' keys and values a second time). A batched forward
-costs more than one sequence's curve says at the same total rows (measured: `benchmarks/batched_rows_cost.py`), so
-the plan reads the curves scaled by `estimates_d3d.BatchedCosts`, the ratios learned from this process's batched
-rounds per batch size and rows per sequence (`batched_costs`); acceptance is learned per sequence.
-Exploration is the warm-up only (a drafter round while the calibrator has seen none), not the periodic rounds of
-`DraftPolicy.decide`.
+**The rounds** (`BatchedRounds.plan`) are decided by the drafter's policy, the same `DraftPolicy.decide` that
+decides one sequence's rounds, given every sequence's state (`SequenceState`: its room, pending tokens and lookup
+match): a plain target step, a prompt-lookup round (each sequence its own match) or a draft pass of `m` masks for
+every sequence (each may send its lookup match instead where that is expected to give more), rated by expected
+committed tokens of the batch per second; after the pass, `DraftPolicy.choose(batch=...)` gives one number `k` of
+drafts for every drafting sequence. A fixed `d3d_num_drafts=k` drafts `k` masks for every sequence each round. A
+drafter that reads the target's cache drafts nothing in the prefill round (`draft_pass=False`: its pass would compute
+the prompts' keys and values a second time). The policy reads the curves scaled by its `batched_costs` (a batched
+forward costs more than one sequence's curve says at the same total rows: `benchmarks/batched_rows_cost.py`), which
+this loop teaches after every forward (`BatchedRounds._learn`); acceptance is learned per sequence.
 
 **What each sequence sees** is what transformers' batched target-only decoding gives its row: logits processors
 and stopping criteria run on the sequence's own row (the left-padded prompt, then its own tokens), and
@@ -57,7 +54,6 @@ from __future__ import annotations
 
 import copy
 import time
-import weakref
 from typing import Any
 
 import torch
@@ -69,9 +65,9 @@ from transformers.generation.logits_process import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .drafting_d3d import D3DCache
-from .estimates_d3d import _MIN_SECONDS, BatchedCosts, expected_tokens
 from .fast_paths_d3d import GQA_SDPA
 from .options_d3d import call_options, check_batch_options
+from .policy_d3d import SequenceState
 from .prompt_masks_d3d import check_prompt_mask, needs_batched_loop
 from .sampling_d3d import ShiftedNoise, sequence_noise
 
@@ -84,18 +80,6 @@ except ImportError:  # pragma: no cover - depends on the installed transformers
 _KNOWN_MODEL_KWARGS = frozenset(
     {"cache", "past_key_values", "attention_mask", "position_ids", "use_cache", "logits_to_keep", "inputs_tensor"}
 )
-#: rates within this fraction of the best count as ties, which go to the cheaper plan (as `DraftPolicy`)
-_TIE_TOLERANCE = 0.02
-#: what batched forwards cost, learned per policy for the process (as the policy itself lives: `policy_for`)
-_BATCHED_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def batched_costs(policy) -> BatchedCosts:
-    """The `BatchedCosts` the batched rounds of `policy` (a `DraftPolicy`) read and learn, one per policy."""
-    costs = _BATCHED_COSTS.get(policy)
-    if costs is None:
-        costs = _BATCHED_COSTS[policy] = BatchedCosts(policy.curve_weight)
-    return costs
 
 
 def _refuse_call(target, generation_config, synced_gpus: bool, streamer, model_kwargs: dict[str, Any]) -> None:
@@ -263,7 +247,6 @@ class _Plan:
     def __init__(self, source="target", drafts=None, scores=None, confidences=None, ngram=None) -> None:
         self.source, self.drafts, self.scores = source, drafts or [], scores or []
         self.confidences, self.ngram = confidences, ngram
-        self.probabilities: list[float] = []  # a lookup plan's expected acceptance per draft
 
 
 class BatchedRounds:
@@ -287,7 +270,6 @@ class BatchedRounds:
         self.generator, self.target, self.cache, self.cache_key = generator, target, cache, cache_key
         self.keeps_logits = target._supports_logits_to_keep() if hasattr(target, "_supports_logits_to_keep") else False
         self.prefill = True  # the round being verified is the prefill (`verify`)
-        self.warm_up = False  # this round is the adaptive engine's first look at the drafter (sends every draft)
         self.draft_seconds = None
         self.drafter = generator.drafter
         self.block_size = generator.block_size
@@ -346,8 +328,9 @@ class BatchedRounds:
         a = self.active[row]
         return self.rows[a].shape[1] - self.offsets[a] - self.draft_slots.lengths[row]
 
-    def plan(self) -> tuple[list[_Plan], str, int]:
-        """The round's candidates for every active sequence, the round's source and its masks."""
+    def plan(self) -> tuple[list[_Plan], str]:
+        """The round's candidates for every active sequence and the round's source, as the policy decides the
+        round for the whole batch (`DraftPolicy.decide(batch=...)`, module docstring "The rounds")."""
         planner, proposer = self.generator.planner, self.generator.proposer
         limits = [self.limit(a) for a in self.active]
         lookups = []
@@ -356,7 +339,17 @@ class BatchedRounds:
                 (None, None) if limit == 0 else planner.lookup(self.own_tokens(a), limit, proposer.eos_token_ids)
             )
             lookups.append((tokens[0].tolist() if tokens is not None and tokens.shape[1] else [], ngram))
-        source, masks, lookup_for = self._decide(limits, lookups)
+        states = [
+            SequenceState(limit, self.draft_pending(r), self.pending(r), len(tokens), ngram or None)
+            for r, (limit, (tokens, ngram)) in enumerate(zip(limits, lookups, strict=True))
+        ]
+        # the prefill round of a drafter that reads the target's cache drafts nothing: its pass would compute the
+        # prompts' keys and values a second time (the target's prefill computes them in this round's forward)
+        prefill = self.shared and self.slots.num_slots == 0
+        decision = planner.policy.decide(batch=states, draft_pass=not prefill)
+        source = decision.source
+        masks = decision.num_lookup if source == "lookup" else decision.pass_masks
+        lookup_for = decision.lookup_rows or (False,) * len(states)
         plans = [_Plan() for _ in self.active]
         if source == "lookup" or source == "drafter":
             for row, a in enumerate(self.active):
@@ -365,75 +358,15 @@ class BatchedRounds:
                 if lookup_for[row] and count > 0:
                     drafts, scores = proposer.lookup_drafts(self.rows[a], tokens[:count])
                     plans[row] = _Plan("lookup", drafts, scores, ngram=ngram)
-                    plans[row].probabilities = planner.policy.lookup.probabilities(len(drafts), ngram or None)
         if source == "drafter":
-            self._draft(plans, limits, masks)
-        return plans, source, masks
+            self._draft(plans, limits, decision)
+        return plans, source
 
-    def _rate_options(self, limits, lookups) -> list[tuple[float, float, str, int, list[bool]]]:
-        """`(rate, seconds, source, count, uses lookup per row)` of every plan of the adaptive engine."""
-        policy = self.generator.planner.policy
-        costs, batch = batched_costs(policy), len(self.active)
-
-        def verify(rows: int) -> float:
-            return costs.seconds("verify", policy.verify_curve, batch, rows)
-
-        def draft(rows: int) -> float:
-            return costs.seconds("draft", policy.draft_curve, batch, rows)
-
-        pending = [self.pending(r) for r in range(batch)]
-        q = [policy.lookup.probabilities(len(t), n or None) if t else [] for t, n in lookups]
-        step = max(verify(max(pending)), _MIN_SECONDS)
-        options = [(batch / step, step, "target", 0, [False] * batch)]
-        longest = max((min(len(t), lim) for (t, _), lim in zip(lookups, limits, strict=True)), default=0)
-        for k in range(1, longest + 1):
-            counts = [min(len(t), lim, k) for (t, _), lim in zip(lookups, limits, strict=True)]
-            tokens = sum(expected_tokens(q[r], counts[r]) for r in range(batch))
-            seconds = max(verify(max(p + c for p, c in zip(pending, counts, strict=True))), _MIN_SECONDS)
-            options.append((tokens / seconds, seconds, "lookup", k, [c > 0 for c in counts]))
-        most = max(limits)
-        if policy.draft_curve is not None and most >= 1:
-            profile = policy.calibrator.position_profile(most)
-            draft_pending = max(self.draft_pending(r) for r in range(batch))
-            for m in range(1, most + 1):
-                tokens, rows, use = 0.0, 0, []
-                for r in range(batch):
-                    count = min(m, limits[r])
-                    by_drafter = expected_tokens(profile, count)
-                    by_lookup = expected_tokens(q[r], min(count, len(lookups[r][0])))
-                    use.append(by_lookup > by_drafter)
-                    tokens += max(by_drafter, by_lookup)
-                    rows = max(rows, pending[r] + count)
-                seconds = max(draft(draft_pending + m) + verify(rows), _MIN_SECONDS)
-                options.append((tokens / seconds, seconds, "drafter", m, use))
-        return options
-
-    def _decide(self, limits, lookups) -> tuple[str, int, list[bool]]:
-        """`(source, masks or lookup cap, uses lookup per row)` of the round (module docstring, "The rounds")."""
-        planner = self.generator.planner
-        policy, batch = planner.policy, len(self.active)
-        # the prefill round of a drafter that reads the target's cache drafts nothing: its pass would compute the
-        # prompts' keys and values a second time (the target's prefill computes them in this round's forward)
-        prefill = self.shared and self.slots.num_slots == 0
-        if max(limits) == 0 or policy.mode == "off" or (prefill and planner.mode != "adaptive"):
-            return "target", 0, [False] * batch
-        if planner.mode != "adaptive" or policy.mode != "adaptive":  # a fixed plan (or a user's fixed policy)
-            fixed = planner.fixed_num_drafts if planner.mode != "adaptive" else policy.mode
-            return "drafter", int(fixed), [False] * batch
-        options = [o for o in self._rate_options(limits, lookups) if not (prefill and o[2] == "drafter")]
-        drafting = [o for o in options if o[2] == "drafter"]
-        if drafting and policy.calibrator.num_observations == 0:  # warm-up: see the drafter's acceptance once
-            chosen = drafting[-1]
-        else:
-            best = max(o[0] for o in options)
-            chosen = min((o for o in options if o[0] >= best * (1 - _TIE_TOLERANCE)), key=lambda o: (o[1], -o[0]))
-        self.warm_up = bool(drafting) and policy.calibrator.num_observations == 0
-        return chosen[2], chosen[3], chosen[4]
-
-    def _draft(self, plans: list[_Plan], limits: list[int], masks: int) -> None:
-        """One draft pass of `masks` masks for every active sequence; the sequences without a lookup plan take its
-        drafts (the adaptive engine then sends a common number `k` of them: `_choose`)."""
+    def _draft(self, plans: list[_Plan], limits: list[int], decision) -> None:
+        """One draft pass of `decision.pass_masks` masks for every active sequence; the sequences without a lookup
+        plan take its drafts, then send a common number `k` of them (`DraftPolicy.choose(batch=...)`)."""
         passes, proposer = self.generator.passes, self.generator.proposer
+        masks = decision.pass_masks
         batch = len(self.active)
         pending = [self.draft_pending(r) for r in range(batch)]
         width = max(pending)
@@ -471,41 +404,26 @@ class BatchedRounds:
             drafts, scores = proposer.choose(self.rows[a], logits[r, : min(masks, limits[r])])
             confidences = proposer.confidences(drafts, scores) if drafts else []
             plans[r] = _Plan("drafter", drafts, scores, confidences)
-        if self.generator.planner.mode == "adaptive" and not self.warm_up:
-            self._choose(plans, seconds)
-
-    def _choose(self, plans: list[_Plan], draft_seconds: float) -> None:
-        """After the pass: the common number `k` of drafts every drafter plan sends, `argmax_k` of the batch's
-        expected tokens per second (lookup plans keep theirs)."""
-        policy = self.generator.planner.policy
-        batch = len(self.active)
-        pending = [self.pending(r) for r in range(batch)]
-        probabilities = [
-            policy.calibrator.probabilities(p.confidences) if p.source == "drafter" else p.probabilities for p in plans
+        states = [
+            SequenceState(
+                verify_pending=self.pending(r),
+                lookup_tokens=len(p.drafts) if p.source == "lookup" else 0,
+                lookup_ngram_size=(p.ngram or None) if p.source == "lookup" else None,
+            )
+            for r, p in enumerate(plans)
         ]
-        most = max((len(p.drafts) for p in plans if p.source == "drafter"), default=0)
-        options = []
-        for k in range(most + 1):
-            tokens, rows = 0.0, 0
-            for r, p in enumerate(plans):
-                count = min(k, len(p.drafts)) if p.source == "drafter" else len(p.drafts)  # lookup: sent as is
-                tokens += expected_tokens(probabilities[r], count)
-                rows = max(rows, pending[r] + count)
-            verify = batched_costs(policy).seconds("verify", policy.verify_curve, batch, rows)
-            seconds = max(draft_seconds + verify, _MIN_SECONDS)
-            options.append((tokens / seconds, seconds, k))
-        best = max(o[0] for o in options)
-        k = min((o for o in options if o[0] >= best * (1 - _TIE_TOLERANCE)), key=lambda o: (o[1], -o[0]))[2]
+        confidences = [p.confidences or [] if p.source == "drafter" else None for p in plans]
+        k = self.generator.planner.policy.choose(confidences, seconds, decision, batch=states)
         for p in plans:
             if p.source == "drafter":
                 p.drafts, p.scores = p.drafts[:k], p.scores[:k]
 
     def _learn(self, kind: str, rows: int, seconds: float | None) -> None:
-        """Learns a batched forward's time into `batched_costs` (adaptive policies; `None`: not learned)."""
+        """Learns a batched forward's time into the policy's `batched_costs` (adaptive; `None`: not learned)."""
         policy = self.generator.planner.policy
         curve = policy.verify_curve if kind == "verify" else policy.draft_curve
         if seconds is not None and curve is not None and self.generator.planner.mode == "adaptive":
-            batched_costs(policy).observe(kind, curve, len(self.active), rows, seconds)
+            policy.batched_costs.observe(kind, curve, len(self.active), rows, seconds)
 
     def learn_verify(self, seconds: float) -> None:
         """Learns the round's verification (the target's forward and the acceptance of every sequence, `seconds`)
@@ -703,7 +621,7 @@ def batched_assisted_decoding(
         policy = generator.planner.policy
         while rounds.active:
             start = time.perf_counter()
-            plans, source, masks = rounds.plan()
+            plans, source = rounds.plan()
             drafted = time.perf_counter()
             results = rounds.verify(plans, do_sample)
             kept, finished, committed, accepted = [], [], 0, 0

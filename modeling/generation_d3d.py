@@ -334,11 +334,8 @@ class D3DCandidateGenerator(CandidateGenerator):
             ready_round = True
         elif decision.source == "drafter" and decision.num_masks > 0:
             committed = input_ids[:, cache.get_seq_length() :].to(self.passes.device)
-            # a fixed number of drafts keeps its block whole near `max_length` (masks attend to each other, so the
-            # number of masks changes the drafts); the adaptive engine computes only the rows it may send
-            fixed = planner.fixed_num_drafts
-            num_masks = fixed if fixed is not None else decision.num_masks
-            block_logits, seconds, draft_seconds = self.passes.timed_pass(committed, cache, num_masks)
+            masks = getattr(decision, "pass_masks", decision.num_masks)  # a fixed plan's block stays whole
+            block_logits, seconds, draft_seconds = self.passes.timed_pass(committed, cache, masks)
             drafts, scores = proposer.choose(input_ids, block_logits.float()[: decision.num_masks])
             if drafts:
                 confidences = proposer.confidences(drafts, scores)
@@ -362,9 +359,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         room = self.max_length - cur_len
         self.successors.plan(acceptance, tokens, 1 + num_sent, room, set(self.proposer.eos_token_ids))
 
-    def _finish_round(
-        self, input_ids: torch.LongTensor, source: str, drafts: list, scores: list, ready: bool = False
-    ):
+    def _finish_round(self, input_ids: torch.LongTensor, source: str, drafts: list, scores: list, ready: bool = False):
         """Records the round's plan, ends its draft span and returns what `get_candidates` returns."""
         self.stats.record_round_plan(source, len(drafts), ready)
         self.round_clock.end_draft()

@@ -32,8 +32,8 @@ dtype) is the sibling `calibration_d3d.py`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ import torch
 from .estimates_d3d import (
     _MIN_SECONDS,
     AcceptanceCalibrator,
+    BatchedCosts,
     CostCurve,
     LookupAcceptance,
     _as_floats,
@@ -57,19 +58,45 @@ SOURCES = ("target", "drafter", "lookup")
 
 
 @dataclass(frozen=True)
+class SequenceState:
+    """What one sequence brings to a round's decision (`DraftPolicy.decide`, `DraftPolicy.choose` with `batch`).
+
+    Attributes:
+        limit (`int`, *optional*): most candidates the sequence may send this round (room before `max_length`, at
+            most `block_size - 1`); `None`: no limit but the policy's `max_drafts` (which also caps a pass's masks).
+        draft_pending (`int`, defaults to 1): committed tokens the drafter has not cached (the pass ingests them; the
+            anchor included, so >= 1).
+        verify_pending (`int`, defaults to 1): committed tokens the target has not cached (the verification's rows
+            before the candidates; 1 in a chain, where only the bonus token is new).
+        lookup_tokens (`int`, defaults to 0): length of the sequence's prompt-lookup match (0: none); in
+            `choose(batch=...)`, the lookup tokens the sequence sends instead of drafts.
+        lookup_ngram_size (`int`, *optional*): size of the n-gram that matched (`LookupAcceptance` keeps the lookup
+            estimate per size).
+    """
+
+    limit: int | None = None
+    draft_pending: int = 1
+    verify_pending: int = 1
+    lookup_tokens: int = 0
+    lookup_ngram_size: int | None = None
+
+
+@dataclass(frozen=True)
 class RoundDecision:
     """What one round does, decided by `DraftPolicy.decide` before it starts.
 
     Attributes:
-        source (`str`): `"target"` (a plain target step: no drafts), `"drafter"` (run a draft pass with `num_masks`
-            masks, then `DraftPolicy.choose` how many of its drafts to send) or `"lookup"` (send the first
-            `num_lookup` prompt-lookup tokens, no draft pass).
-        num_masks (`int`): masks of the draft pass (`draft_logits(committed, cache, num_masks=num_masks)`); 0 unless
-            `source == "drafter"`.
-        num_lookup (`int`): lookup tokens to send; 0 unless `source == "lookup"`.
-        num_pending (`int`): committed tokens the drafter had not cached (the pass ingests them).
+        source (`str`): `"target"` (a plain target step: no drafts), `"drafter"` (run a draft pass with `pass_masks`
+            masks, then `DraftPolicy.choose` how many of its first `num_masks` drafts to send) or `"lookup"` (send
+            the first `num_lookup` prompt-lookup tokens, no draft pass).
+        num_masks (`int`): drafts the pass may give this round; 0 unless `source == "drafter"`.
+        num_lookup (`int`): lookup tokens to send (a batch: the most any sequence sends); 0 unless `source ==
+            "lookup"`.
+        num_pending (`int`): committed tokens the drafter had not cached (the pass ingests them; a batch: the most of
+            any sequence).
         explore (`bool`): the round was forced by the exploration rule (`DraftPolicy`), not chosen by the rates.
-        target_rate (`float`): expected tokens per second of a plain target step, `1 / t_verify(1)`.
+        target_rate (`float`): expected tokens per second of a plain target step, `1 / t_verify(1)` (a batch: its
+            sequences' tokens per second).
         drafter_rate (`float`, *optional*): of the best drafter plan (`None` when the drafter cannot be used).
         lookup_rate (`float`, *optional*): of the best lookup round (`None` without lookup tokens).
         expected_rate (`float`): of the option taken (under exploration, not the best one).
@@ -77,6 +104,10 @@ class RoundDecision:
             `observe_round` files the outcome under), `None` when not known or without lookup tokens.
         ready (`bool`): a drafter round whose block was drafted inside the previous verification (fused successor
             drafting, `successor_d3d`): no draft pass, `num_masks` is the ready block's size.
+        block_masks (`int`, *optional*): masks the pass computes when more than `num_masks` (a fixed plan keeps its
+            block whole near `max_length`: masks attend to each other, so their number changes the drafts).
+        lookup_rows (`tuple[bool, ...]`): a batch's drafter or lookup round: which sequences send their lookup
+            match instead of drafts (empty for one sequence).
     """
 
     source: str
@@ -90,11 +121,18 @@ class RoundDecision:
     expected_rate: float = 0.0
     lookup_ngram_size: int | None = None
     ready: bool = False
+    block_masks: int | None = None
+    lookup_rows: tuple[bool, ...] = ()
+
+    @property
+    def pass_masks(self) -> int:
+        """Masks of the round's draft pass: `block_masks` if set, else `num_masks`."""
+        return self.num_masks if self.block_masks is None else self.block_masks
 
     @property
     def draft_rows(self) -> int:
-        """Rows of the draft pass, `num_pending + num_masks` (0 when there is no pass)."""
-        return self.num_pending + self.num_masks if self.source == "drafter" and not self.ready else 0
+        """Rows of the draft pass, `num_pending + pass_masks` (0 when there is no pass)."""
+        return self.num_pending + self.pass_masks if self.source == "drafter" and not self.ready else 0
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-safe dict (for logs)."""
@@ -107,6 +145,7 @@ class _Option:
     count: int  # masks (drafter), tokens (lookup) or drafts to send (choose)
     rate: float
     seconds: float
+    rows: tuple[bool, ...] = ()  # a batch: which sequences send their lookup match
 
 
 def _pick(options: Sequence[_Option], tolerance: float) -> _Option:
@@ -308,29 +347,96 @@ class DraftPolicy:
         the anchor row's own prediction, is the target's), and so on: `position_profile(num_drafts + 1)[1:]`."""
         return self.calibrator.position_profile(num_drafts + 1)[1:]
 
-    def _ready_options(self, ready_masks: int, limit: int) -> list[_Option]:
-        profile = self.ready_profile(min(ready_masks, limit))
-        return [
-            _Option("drafter", k, _rate(expected_tokens(profile, k), self._verify(k + 1)), self._verify(k + 1))
-            for k in range(1, len(profile) + 1)
-        ]
+    # ---- the rate model: what every option of a round is expected to give ----------------------------------------
 
-    def _drafter_options(
-        self, num_pending: int, limit: int, tree: tuple[int, float] | None = None
-    ) -> list[_Option]:
-        if self.draft_curve is None or limit < 1:
-            return []
-        profile = self.calibrator.position_profile(limit)
-        if tree is not None:  # a tree round: every mask, `nodes` verified, accepted drafts `gain` x the chain's
-            nodes, gain = tree
-            seconds = self.draft_curve(num_pending + limit) + self._verify(nodes + 1)
-            expected = 1.0 + gain * (expected_tokens(profile, limit) - 1.0)
-            return [_Option("drafter", limit, _rate(expected, seconds), seconds)]
-        out = []
-        for m in range(1, limit + 1):
-            seconds = self.draft_curve(num_pending + m) + self._verify(m + 1)
-            out.append(_Option("drafter", m, _rate(expected_tokens(profile, m), seconds), seconds))
-        return out
+    @property
+    def batched_costs(self) -> BatchedCosts:
+        """What forwards over a batch cost against the single-sequence curves (`BatchedCosts`), learned by this
+        process's batched rounds (`batched_decoding_d3d`) and read by `decide` / `choose` with `batch`; in memory
+        only (not in `state_dict`)."""
+        costs = self.__dict__.get("_batched_costs")
+        if costs is None:
+            costs = self._batched_costs = BatchedCosts(self.curve_weight)
+        return costs
+
+    @batched_costs.setter
+    def batched_costs(self, costs: BatchedCosts) -> None:
+        self._batched_costs = costs
+
+    def _costs(self, batch_size: int | None) -> tuple[Callable[[int], float], Callable[[int], float] | None]:
+        """`(t_verify(rows), t_draft(rows))` of a round: the curves themselves for one sequence (`batch_size=None`),
+        else the curves at the batch's total rows scaled by `batched_costs` (rows per sequence)."""
+        if batch_size is None:
+            return self._verify, self.draft_curve
+        costs, draft_curve = self.batched_costs, self.draft_curve
+
+        def verify(rows: int) -> float:
+            return costs.seconds("verify", self.verify_curve, batch_size, rows)
+
+        def draft(rows: int) -> float:
+            return costs.seconds("draft", draft_curve, batch_size, rows)
+
+        return verify, None if draft_curve is None else draft
+
+    def _lookup_limits(self, sequences: Sequence[SequenceState]) -> list[int]:
+        return [s.lookup_tokens if s.limit is None else min(s.lookup_tokens, s.limit) for s in sequences]
+
+    def _round_options(
+        self,
+        sequences: Sequence[SequenceState],
+        batched: bool,
+        tree: tuple[int, float | None] | None = None,
+        ready_masks: int = 0,
+        draft_pass: bool = True,
+    ) -> tuple[_Option, list[_Option], list[_Option]]:
+        """The plain step, the drafter options (by masks) and the lookup options (by tokens) of one round over
+        `sequences` (`decide`). Each option's tokens are the sequences' expected committed tokens summed, its
+        seconds the round's draft pass (if any) and one verification over the longest sequence's rows. In a batch,
+        a drafter round lets each sequence send its lookup match instead where that is expected to give more
+        (`_Option.rows`); one sequence never does (that round is the lookup option)."""
+        verify, draft = self._costs(len(sequences) if batched else None)
+        limits = [self._limit(s.limit) for s in sequences]
+        lookups = self._lookup_limits(sequences)
+        q = [
+            self.lookup.probabilities(n, s.lookup_ngram_size or None) if n else []
+            for n, s in zip(lookups, sequences, strict=True)
+        ]
+        pending = [s.verify_pending for s in sequences]
+        seconds = verify(max(pending))
+        target = _Option("target", 0, _rate(len(sequences), seconds), seconds)
+        lookup = []
+        for k in range(1, max(lookups) + 1):
+            counts = [min(n, k) for n in lookups]
+            tokens = sum(expected_tokens(q[r], counts[r]) for r in range(len(sequences)))
+            seconds = verify(max(p + c for p, c in zip(pending, counts, strict=True)))
+            lookup.append(_Option("lookup", k, _rate(tokens, seconds), seconds, tuple(c > 0 for c in counts)))
+        most = max(limits)
+        drafter = []
+        if ready_masks > 0 and most >= 1:  # one sequence's block drafted in the last verification: no pass
+            profile = self.ready_profile(min(ready_masks, most))
+            for k in range(1, len(profile) + 1):
+                seconds = verify(k + 1)
+                drafter.append(_Option("drafter", k, _rate(expected_tokens(profile, k), seconds), seconds))
+        elif draft is not None and draft_pass and most >= 1:
+            profile = self.calibrator.position_profile(most)
+            draft_pending = max(s.draft_pending for s in sequences)
+            if tree is not None and tree[1] is not None:  # a tree: every mask, `nodes` verified, `gain` x the chain
+                nodes, gain = tree
+                seconds = draft(draft_pending + most) + verify(nodes + 1)
+                expected = 1.0 + gain * (expected_tokens(profile, most) - 1.0)
+                return target, [_Option("drafter", most, _rate(expected, seconds), seconds)], lookup
+            for m in range(1, most + 1):
+                tokens, rows, use = 0.0, 0, []
+                for r, limit in enumerate(limits):
+                    count = min(m, limit)
+                    by_drafter = expected_tokens(profile, count)
+                    by_lookup = expected_tokens(q[r], min(count, lookups[r])) if batched else 0.0
+                    use.append(by_lookup > by_drafter)
+                    tokens += max(by_drafter, by_lookup)
+                    rows = max(rows, pending[r] + count)
+                seconds = draft(draft_pending + m) + verify(rows)
+                drafter.append(_Option("drafter", m, _rate(tokens, seconds), seconds, tuple(use) if batched else ()))
+        return target, drafter, lookup
 
     def plan_rates(self, num_pending: int, max_candidates: int | None = None) -> list[float]:
         """Expected rates `[R_target, R_draft(1), ..., R_draft(m_max)]` of `plan`'s options (for logs and tests).
@@ -343,19 +449,14 @@ class DraftPolicy:
             `list[float]`: index `m` is the rate with `m` masks (index 0 the plain target step); only index 0
             without a draft curve.
         """
-        num_pending = self._check_pending(num_pending)
-        limit = self._limit(max_candidates)
-        return [self.target_rate()] + [o.rate for o in self._drafter_options(num_pending, limit)]
-
-    def _best_plan(self, num_pending: int, limit: int) -> _Option:
-        target = _Option("target", 0, self.target_rate(), self._verify(1))
-        return _pick([target, *self._drafter_options(num_pending, limit)], self.tie_tolerance)
+        target, drafter, _ = self._round_options([self._sequence(num_pending, 0, max_candidates)], False)
+        return [target.rate] + [o.rate for o in drafter]
 
     def plan(self, num_pending: int, max_candidates: int | None = None) -> int:
         """Masks `m` to compute in the next draft pass (0 = no pass: a plain target step), before any draft.
 
         Adaptive mode: `argmax_m` of `R_target` (m = 0) and `R_draft(m)` (class docstring), near-ties to the cheaper
-        option; no exploration (that is `decide`'s). Fixed mode `k`: `min(k, limit)`. `"off"`: 0.
+        option; no lookup and no exploration (that is `decide`'s). Fixed mode `k`: `min(k, limit)`. `"off"`: 0.
 
         Args:
             num_pending (`int`): committed tokens the drafter has not cached yet (the pass ingests them; the anchor
@@ -369,13 +470,13 @@ class DraftPolicy:
         Raises:
             ValueError: if `num_pending < 1` or `max_candidates < 0`.
         """
-        num_pending = self._check_pending(num_pending)
-        limit = self._limit(max_candidates)
+        sequence = self._sequence(num_pending, 0, max_candidates)
         if self.mode == "off":
             return 0
         if _is_int(self.mode):
-            return min(self.mode, limit)
-        best = self._best_plan(num_pending, limit)
+            return min(self.mode, self._limit(max_candidates))
+        target, drafter, _ = self._round_options([sequence], False)
+        best = _pick([target, *drafter], self.tie_tolerance)
         return best.count if best.source == "drafter" else 0
 
     # ---- after the draft pass ------------------------------------------------------------------------------------
@@ -388,9 +489,11 @@ class DraftPolicy:
 
     def choose(
         self,
-        confidences: Sequence[float] | torch.Tensor,
+        confidences: Sequence[float] | torch.Tensor | Sequence[Sequence[float] | None],
         draft_seconds: float,
         decision: RoundDecision | None = None,
+        *,
+        batch: Sequence[SequenceState] | None = None,
     ) -> int:
         """Drafts to send after a draft pass: `k` in `[0, m]`, `m = len(confidences)`.
 
@@ -398,19 +501,28 @@ class DraftPolicy:
         probabilities of `confidences`; near-ties (`tie_tolerance`) to the smaller `t_verify`. Fixed mode `k`:
         `min(k, m)`; `"off"`: 0; an exploration round (`decision.explore`): `m` (everything computed).
 
+        A batch (`batch`): one `k` for every sequence that drafts, by the same rule with the sequences' expected
+        tokens summed and the verification over the longest sequence's rows (`verify_pending` + its drafts) read
+        on the curves scaled by `batched_costs`; `m` is the most drafts of any sequence.
+
         Args:
             confidences (`Sequence[float]` or 1-D `torch.Tensor`): confidence of each draft the pass produced, in
                 order (its probability under the distribution it was chosen from), in [0, 1]. Pass only drafts that
-                may be sent (after cutting at eos / stop strings / `max_length`).
+                may be sent (after cutting at eos / stop strings / `max_length`). With `batch`: one such list per
+                sequence, or `None` for a sequence that sends its lookup match instead (`batch[i].lookup_tokens`
+                tokens, all of them).
             draft_seconds (`float`): measured wall time of the pass (>= 0).
             decision (`RoundDecision`, *optional*): the round's decision from `decide` (for its `explore` flag).
+            batch (sequence of `SequenceState`, *optional*): the batch's sequences, in the order of `confidences`.
 
         Returns:
-            `int` in `[0, len(confidences)]`.
+            `int` in `[0, m]`.
 
         Raises:
-            ValueError: for bad confidences or seconds.
+            ValueError: for bad confidences or seconds, or a `batch` of another length than `confidences`.
         """
+        if batch is not None:
+            return self._choose_batch(confidences, draft_seconds, decision, batch)
         rates = self.choose_rates(confidences, draft_seconds) if self.mode == "adaptive" else None
         m = len(_as_floats(confidences))
         if self.mode == "off":
@@ -422,6 +534,51 @@ class DraftPolicy:
         seconds = _check_seconds(draft_seconds, "`draft_seconds`")
         options = [_Option("drafter", k, r, seconds + self._verify(k + 1)) for k, r in enumerate(rates)]
         return _pick(options, self.tie_tolerance).count
+
+    def _choose_batch(self, confidences, draft_seconds, decision, batch) -> int:
+        if len(confidences) != len(batch):
+            raise ValueError(f"`confidences` has {len(confidences)} sequences, `batch` {len(batch)}.")
+        probabilities = [
+            self.lookup.probabilities(s.lookup_tokens, s.lookup_ngram_size or None)
+            if c is None
+            else self.calibrator.probabilities(c)
+            for c, s in zip(confidences, batch, strict=True)
+        ]
+        most = max((len(p) for c, p in zip(confidences, probabilities, strict=True) if c is not None), default=0)
+        if self.mode == "off":
+            return 0
+        if _is_int(self.mode):
+            return min(self.mode, most)
+        if decision is not None and decision.explore and decision.source == "drafter":
+            return most
+        seconds = _check_seconds(draft_seconds, "`draft_seconds`")
+        verify, _ = self._costs(len(batch))
+        options = []
+        for k in range(most + 1):
+            tokens, rows = 0.0, 0
+            for c, p, s in zip(confidences, probabilities, batch, strict=True):
+                count = s.lookup_tokens if c is None else min(k, len(p))
+                tokens += expected_tokens(p, count)
+                rows = max(rows, s.verify_pending + count)
+            total = seconds + verify(rows)
+            options.append(_Option("drafter", k, _rate(tokens, total), total))
+        return _pick(options, self.tie_tolerance).count
+
+    def choose_tree_size(self, node_probabilities: Sequence[float], draft_seconds: float) -> int:
+        """Nodes `n` of a best-first draft tree to verify (`d3d_tree_budget="adaptive"`): `argmax_n (1 + sum_{i < n}
+        P_i) / (draft_seconds + t_verify(1 + n))`, `P_i` the probability that node `i` is accepted (its path's
+        product, `DraftTree.probabilities`); near-ties (`tie_tolerance`) go to the smaller tree.
+
+        Returns:
+            `int` in `[0, len(node_probabilities)]`.
+        """
+        expected, rates = 1.0, []
+        for n in range(len(node_probabilities) + 1):
+            if n:
+                expected += node_probabilities[n - 1]
+            rates.append(expected / (draft_seconds + self.verify_curve(1 + n)))
+        top = max(rates)
+        return next(n for n, rate in enumerate(rates) if rate >= top * (1 - self.tie_tolerance))
 
     # ---- lookup --------------------------------------------------------------------------------------------------
 
@@ -478,146 +635,199 @@ class DraftPolicy:
             R_target)` when `L` (after the cap) is 0.
         """
         limit = num_lookup_tokens if max_candidates is None else min(num_lookup_tokens, max(max_candidates, 0))
-        options = self._lookup_options(limit, lookup_probability, ngram_size)
+        rates = self.lookup_rates(limit, lookup_probability, ngram_size)
+        options = [_Option("lookup", k, rates[k], self._verify(k + 1)) for k in range(1, limit + 1)]
         if not options:
             return 0, self.target_rate()
         best = _pick(options, self.tie_tolerance)
         return best.count, best.rate
 
-    def _lookup_options(
-        self, limit: int, lookup_probability: float | None = None, ngram_size: int | None = None
-    ) -> list[_Option]:
-        rates = self.lookup_rates(limit, lookup_probability, ngram_size)
-        return [_Option("lookup", k, rates[k], self._verify(k + 1)) for k in range(1, limit + 1)]
-
     # ---- one round -----------------------------------------------------------------------------------------------
+
+    def _sequence(self, num_pending: int, lookup_tokens: int, max_candidates: int | None, ngram=None) -> SequenceState:
+        """One sequence's `SequenceState` from `decide`'s scalar arguments, checked."""
+        num_pending = self._check_pending(num_pending)
+        if not _is_int(lookup_tokens) or lookup_tokens < 0:
+            raise ValueError(f"`lookup_tokens` must be an int >= 0, got {lookup_tokens!r}.")
+        self._limit(max_candidates)
+        return SequenceState(max_candidates, num_pending, 1, lookup_tokens, ngram)
+
+    @staticmethod
+    def _check_batch(batch: Sequence[SequenceState]) -> list[SequenceState]:
+        sequences = list(batch)
+        if not sequences or not all(isinstance(s, SequenceState) for s in sequences):
+            raise ValueError(f"`batch` must be a non-empty sequence of `SequenceState`, got {batch!r}.")
+        for s in sequences:
+            counts = (s.draft_pending, s.verify_pending, s.lookup_tokens, 0 if s.limit is None else s.limit)
+            if not all(_is_int(c) for c in counts) or min(counts[:2]) < 1 or min(counts[2:]) < 0:
+                raise ValueError(f"Bad `SequenceState` {s!r}: pending counts >= 1, lookup tokens and limit >= 0.")
+        return sequences
 
     def decide(
         self,
-        num_pending: int,
+        num_pending: int = 1,
         lookup_tokens: int = 0,
         max_candidates: int | None = None,
         lookup_ngram_size: int | None = None,
-        tree: tuple[int, float] | None = None,
+        tree: tuple[int, float | None] | None = None,
         ready_masks: int = 0,
+        *,
+        batch: Sequence[SequenceState] | None = None,
+        draft_pass: bool = True,
     ) -> RoundDecision:
-        """Decides the next round (call once per round, before drafting; advances the exploration counters).
+        """Decides the next round, for one sequence (chain or tree rounds) or a batch: the one place a round is
+        decided (call once per round, before drafting; one sequence's calls advance the exploration counters).
 
         Args:
-            num_pending (`int`): committed tokens the drafter has not cached (>= 1, the anchor included).
+            num_pending (`int`, defaults to 1): committed tokens the drafter has not cached (>= 1, the anchor
+                included).
             lookup_tokens (`int`, defaults to 0): length of the prompt-lookup match available this round (0: none).
             max_candidates (`int`, *optional*): most candidates this round may send (room before `max_length`).
             lookup_ngram_size (`int`, *optional*): size of the n-gram the lookup tokens matched
                 (`lookup_d3d.lookup_match`); the lookup estimate is kept per size.
-            tree (`tuple[int, float]`, *optional*): the drafter round is a draft tree (D3D's own loop): `(nodes,
-                gain)`, the nodes it verifies and its expected accepted drafts as a multiple of the chain's (both
-                from the same calibrated estimates, `D3DCandidateGenerator.get_tree`); the only drafter option is
-                then a pass with every allowed mask, rated `(1 + gain * (expected_tokens(q, m) - 1)) / (t_draft(c +
-                m) + t_verify(nodes + 1))`. Adaptive mode only.
+            tree (`tuple[int, float | None]`, *optional*): the drafter round is a draft tree (D3D's own loop):
+                `(nodes, gain)`, the nodes it verifies and its expected accepted drafts as a multiple of the chain's
+                (both from the same calibrated estimates, `TreeRounds.get_tree`); the only drafter option is then a
+                pass with every allowed mask, rated `(1 + gain * (expected_tokens(q, m) - 1)) / (t_draft(c + m) +
+                t_verify(nodes + 1))`. `gain=None` (no tree of this size built yet): the round is decided as a chain,
+                then made a warm-up drafter round with every allowed mask (`explore`) when a draft pass can run.
+                Adaptive mode only.
             ready_masks (`int`, defaults to 0): a block of this many masks was drafted inside the previous
                 verification (fused successor drafting): the drafter option is then that block, with no pass, rated
                 `expected_tokens(ready_profile(k), k) / t_verify(k + 1)` for `k` of its drafts, and the decision is
                 `ready` (its `num_masks` the block's size). In a fixed mode the ready block is the round's drafts.
+            batch (sequence of `SequenceState`, *optional*): decide one round for these sequences together (D3D's
+                batched loop) instead of the scalar arguments above, which must then keep their defaults: one draft
+                pass of `m` masks for every sequence, a lookup round, or a plain step, rated by the same rule with
+                the sequences' expected tokens summed and the curves scaled by `batched_costs`. A batch explores
+                only to warm up (a drafter round while the calibrator has seen none): a periodic exploration round
+                would cost every sequence.
+            draft_pass (`bool`, defaults to True): `False` when no draft pass may run this round (e.g. the prefill
+                of a batch whose drafter reads the target's cache: its pass would compute the prompts' keys and
+                values a second time).
 
         Returns:
-            `RoundDecision`. For `"drafter"`, run `draft_logits(committed, cache, num_masks=decision.num_masks)`,
-            then `choose(confidences, draft_seconds, decision)`; for `"lookup"`, send the first
-            `decision.num_lookup` lookup tokens; for `"target"`, send no candidates.
+            `RoundDecision`. For `"drafter"`, run `draft_logits(committed, cache, num_masks=decision.pass_masks)`,
+            then `choose(confidences, draft_seconds, decision)` among its first `num_masks` drafts; for `"lookup"`,
+            send the first `decision.num_lookup` lookup tokens (a batch: each sequence marked in `lookup_rows`); for
+            `"target"`, send no candidates.
 
         Raises:
-            ValueError: for bad counts.
+            ValueError: for bad counts, or `batch` together with `tree` or `ready_masks`.
         """
-        num_pending = self._check_pending(num_pending)
-        if not _is_int(lookup_tokens) or lookup_tokens < 0:
-            raise ValueError(f"`lookup_tokens` must be an int >= 0, got {lookup_tokens!r}.")
-        limit = self._limit(max_candidates)
-        lookup_limit = lookup_tokens if max_candidates is None else min(lookup_tokens, max_candidates)
-        target_rate = self.target_rate() if self.verify_curve is not None else 0.0
-        if self.mode == "off" or (_is_int(self.mode) and limit == 0):
-            decision = RoundDecision(
-                "target", num_pending=num_pending, target_rate=target_rate, expected_rate=target_rate
-            )
-        elif _is_int(self.mode):
-            m = min(self.mode, limit)
-            rate = 0.0
-            if self.draft_curve is not None and self.verify_curve is not None:
-                rate = self._drafter_options(num_pending, m)[-1].rate
-            decision = RoundDecision(
-                "drafter",
-                num_masks=m if ready_masks <= 0 else ready_masks,
-                num_pending=num_pending,
-                target_rate=target_rate,
-                drafter_rate=rate,
-                expected_rate=rate,
-                ready=ready_masks > 0,
-            )
+        batched = batch is not None
+        if batched:
+            if (num_pending, lookup_tokens, max_candidates, lookup_ngram_size, tree, ready_masks) != (
+                1,
+                0,
+                None,
+                None,
+                None,
+                0,
+            ):
+                raise ValueError(
+                    "`decide(batch=...)` takes each sequence's counts from `batch`: drop the scalar arguments."
+                )
+            sequences = self._check_batch(batch)
         else:
-            decision = self._decide_adaptive(num_pending, limit, lookup_limit, lookup_ngram_size, tree, ready_masks)
-        self._advance(decision, lookup_limit > 0)
+            sequences = [self._sequence(num_pending, lookup_tokens, max_candidates, lookup_ngram_size)]
+        most = max(self._limit(s.limit) for s in sequences)
+        lookup_limit = max(self._lookup_limits(sequences))
+        pending = max(s.draft_pending for s in sequences)
+        fixed = _is_int(self.mode)
+        if self.mode == "off" or (fixed and (most == 0 or not draft_pass)):
+            rate = self.target_rate() if self.verify_curve is not None else 0.0
+            decision = RoundDecision("target", num_pending=pending, target_rate=rate, expected_rate=rate)
+        elif fixed:
+            decision = self._decide_fixed(sequences[0], min(self.mode, most), ready_masks, batched)
+        else:
+            decision = self._decide_adaptive(sequences, batched, tree, ready_masks, draft_pass)
+        if not batched:
+            self._advance(decision, lookup_limit > 0)
+            if tree is not None and tree[1] is None and self.mode == "adaptive" and self.draft_curve is not None:
+                decision = replace(decision, source="drafter", num_masks=most, num_lookup=0, explore=True)
         return decision
 
-    def _decide_adaptive(
-        self,
-        num_pending: int,
-        limit: int,
-        lookup_limit: int,
-        lookup_ngram_size: int | None,
-        tree: tuple[int, float] | None = None,
-        ready_masks: int = 0,
-    ) -> RoundDecision:
-        target = _Option("target", 0, self.target_rate(), self._verify(1))
-        ready = ready_masks > 0 and limit >= 1
-        drafter = self._ready_options(ready_masks, limit) if ready else self._drafter_options(num_pending, limit, tree)
-        lookup = self._lookup_options(lookup_limit, ngram_size=lookup_ngram_size)
+    def _decide_fixed(self, sequence: SequenceState, m: int, ready_masks: int, batched: bool) -> RoundDecision:
+        """A fixed plan's drafter round: `m = min(k, limit)` drafts of the whole block's pass (or the ready block)."""
+        rate = 0.0
+        if not batched and self.draft_curve is not None and self.verify_curve is not None:
+            rate = self._round_options([replace(sequence, limit=m)], False)[1][-1].rate
+        target_rate = self.target_rate() if self.verify_curve is not None else 0.0
+        ready = ready_masks > 0
+        return RoundDecision(
+            "drafter",
+            num_masks=ready_masks if ready else m,
+            num_pending=sequence.draft_pending,
+            target_rate=target_rate,
+            drafter_rate=rate,
+            expected_rate=rate,
+            ready=ready,
+            block_masks=None if ready or self.mode == m else self.mode,
+        )
+
+    def _decide_adaptive(self, sequences, batched, tree, ready_masks, draft_pass) -> RoundDecision:
+        most = max(self._limit(s.limit) for s in sequences)
+        lookup_limit = max(self._lookup_limits(sequences))
+        ready = ready_masks > 0 and most >= 1
+        target, drafter, lookup = self._round_options(sequences, batched, tree, ready_masks, draft_pass)
         # one pick over every option, so that the tie rule does not depend on the order of comparison
         chosen = _pick([target, *drafter, *lookup], self.tie_tolerance)
         best_drafter = _pick(drafter, self.tie_tolerance) if drafter else None
         best_lookup = _pick(lookup, self.tie_tolerance) if lookup else None
         explore = False
-        if self.explore_every is not None:
-            drafter_usable = (self.draft_curve is not None or ready) and limit >= 1
-            warm_drafter = self._drafter_rounds == 0 and self.calibrator.num_observations == 0
-            warm_lookup = self._lookup_rounds == 0 and self.lookup.num_observations == 0
-            if (
-                chosen.source != "drafter"
-                and drafter_usable
-                and (warm_drafter or self._since_drafter + 1 >= self._drafter_interval)
-            ):
-                chosen = drafter[-1]  # every allowed mask
-                explore = True
-                if not warm_drafter:
-                    self._drafter_interval = min(
-                        int(self._drafter_interval * self.explore_backoff), self.explore_max_interval
-                    )
-            elif (
-                chosen.source != "lookup"
-                and lookup_limit > 0
-                and (warm_lookup or self._since_lookup + 1 >= self._lookup_interval)
-            ):
-                chosen = lookup[lookup_limit - 1]  # every allowed lookup token
-                explore = True
-                if not warm_lookup:
-                    self._lookup_interval = min(
-                        int(self._lookup_interval * self.explore_backoff), self.explore_max_interval
-                    )
-        if not explore and self.explore_every is not None:
-            if chosen.source == "drafter":
-                self._drafter_interval = self.explore_every
-            elif chosen.source == "lookup":
-                self._lookup_interval = self.explore_every
+        if batched:
+            if drafter and self.calibrator.num_observations == 0:  # warm-up: see the drafter's acceptance once
+                chosen, explore = drafter[-1], True
+        elif self.explore_every is not None:
+            chosen, explore = self._explore(chosen, drafter, lookup, ready, most, lookup_limit)
+        source = chosen.source
         return RoundDecision(
-            source=chosen.source,
-            num_masks=(ready_masks if ready else chosen.count) if chosen.source == "drafter" else 0,
-            num_lookup=chosen.count if chosen.source == "lookup" else 0,
-            num_pending=num_pending,
+            source=source,
+            num_masks=(ready_masks if ready else chosen.count) if source == "drafter" else 0,
+            num_lookup=chosen.count if source == "lookup" else 0,
+            num_pending=max(s.draft_pending for s in sequences),
             explore=explore,
             target_rate=target.rate,
             drafter_rate=None if best_drafter is None else best_drafter.rate,
             lookup_rate=None if best_lookup is None else best_lookup.rate,
             expected_rate=chosen.rate,
-            lookup_ngram_size=lookup_ngram_size if chosen.source == "lookup" else None,
-            ready=ready and chosen.source == "drafter",
+            lookup_ngram_size=sequences[0].lookup_ngram_size if source == "lookup" and not batched else None,
+            ready=ready and source == "drafter",
+            lookup_rows=chosen.rows if batched else (),
         )
+
+    def _explore(self, chosen, drafter, lookup, ready, limit, lookup_limit) -> tuple[_Option, bool]:
+        """One sequence's exploration rule (class docstring): the option to take instead of `chosen`, if any, and
+        whether it was forced; updates the exploration intervals."""
+        drafter_usable = (self.draft_curve is not None or ready) and limit >= 1
+        warm_drafter = self._drafter_rounds == 0 and self.calibrator.num_observations == 0
+        warm_lookup = self._lookup_rounds == 0 and self.lookup.num_observations == 0
+        if (
+            chosen.source != "drafter"
+            and drafter_usable
+            and (warm_drafter or self._since_drafter + 1 >= self._drafter_interval)
+        ):
+            if not warm_drafter:
+                self._drafter_interval = min(
+                    int(self._drafter_interval * self.explore_backoff), self.explore_max_interval
+                )
+            return drafter[-1], True  # every allowed mask
+        if (
+            chosen.source != "lookup"
+            and lookup_limit > 0
+            and (warm_lookup or self._since_lookup + 1 >= self._lookup_interval)
+        ):
+            if not warm_lookup:
+                self._lookup_interval = min(
+                    int(self._lookup_interval * self.explore_backoff), self.explore_max_interval
+                )
+            return lookup[lookup_limit - 1], True  # every allowed lookup token
+        if chosen.source == "drafter":
+            self._drafter_interval = self.explore_every
+        elif chosen.source == "lookup":
+            self._lookup_interval = self.explore_every
+        return chosen, False
 
     # ---- fused successor drafting --------------------------------------------------------------------------------
 
@@ -657,13 +867,14 @@ class DraftPolicy:
             return [], 0
         if _is_int(self.mode):
             return list(range(len(probabilities))), min(self.mode, limit)
-        options = self._ready_options(limit, limit)
+        one = [SequenceState(limit=limit)]
+        options = self._round_options(one, False, ready_masks=limit)[1]
         if not options:
             return [], 0
         best = _pick(options, self.tie_tolerance)
         m = best.count
         tokens = best.rate * best.seconds
-        alternatives = [self.target_rate(), *(o.rate for o in self._drafter_options(1, limit))]
+        alternatives = [self.target_rate(), *(o.rate for o in self._round_options(one, False)[1])]
         saved = tokens / max(alternatives) - best.seconds
         if saved <= 0:
             return [], 0
@@ -792,9 +1003,11 @@ class DraftPolicy:
 __all__ = [
     "SOURCES",
     "AcceptanceCalibrator",
+    "BatchedCosts",
     "CostCurve",
     "DraftPolicy",
     "LookupAcceptance",
     "RoundDecision",
+    "SequenceState",
     "expected_tokens",
 ]

@@ -6,8 +6,6 @@ Part of the self-contained remote-code bundle: imports only torch and its siblin
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from .estimates_d3d import expected_tokens
@@ -87,17 +85,13 @@ class TreeRounds:
             policy.tree_gains = {}
         gains = policy.tree_gains
         gain_key = (budget, self.branching)
-        tree_plan = (budget, gains[gain_key]) if gain_key in gains else None
-        decision = policy.decide(
+        decision = policy.decide(  # `gain=None`: no tree of this size built yet, a warm-up drafter round
             num_pending,
             0 if lookup is None else lookup.shape[1],
             max_candidates=limit,
             lookup_ngram_size=ngram_size or None,
-            tree=tree_plan if adaptive else None,
+            tree=(budget, gains.get(gain_key)) if adaptive else None,
         )
-        if adaptive and tree_plan is None and policy.draft_curve is not None:
-            # warm-up: no tree of this size was built yet, so its gain over a chain is unknown; draft one
-            decision = dataclasses.replace(decision, source="drafter", num_masks=limit, num_lookup=0, explore=True)
         allow = None
         if proposer.stop_string_criteria is not None:
             prefix = input_ids
@@ -115,7 +109,7 @@ class TreeRounds:
         if decision.source != "drafter" or decision.num_masks == 0:
             return self._finish(tree, "target", decision, None, None)
         committed = input_ids[:, cache.get_seq_length() :].to(self.passes.device)
-        num_masks = limit if planner.fixed_num_drafts is None else planner.fixed_num_drafts
+        num_masks = decision.pass_masks  # every allowed mask (adaptive) or the fixed plan's whole block
         block_logits, draft_seconds, learned_seconds = self.passes.timed_pass(committed, cache, num_masks)
         _, scores = proposer.choose(input_ids, block_logits.float()[:num_masks])
         if not scores:
@@ -152,20 +146,8 @@ class TreeRounds:
             ratio = tree.expected_accepted / chain_expected
             gains[gain_key] = ratio if gain_key not in gains else 0.8 * gains[gain_key] + 0.2 * ratio
         if self.budget == "adaptive" and policy.verify_curve is not None:
-            tree = tree.prefix(self._adaptive_tree_size(tree, num_pending_target=1, draft_seconds=draft_seconds))
+            tree = tree.prefix(policy.choose_tree_size(tree.probabilities, draft_seconds))
         return self._finish(tree, "drafter", decision, primary, learned_seconds)
-
-    def _adaptive_tree_size(self, tree: DraftTree, num_pending_target: int, draft_seconds: float) -> int:
-        """Node count `n` in `[0, len(tree)]` that maximises `(1 + sum_{i < n} P_i) / (draft_seconds +
-        t_verify(num_pending_target + n))`; near-ties (the policy's tolerance) go to the smaller tree."""
-        policy = self.planner.policy
-        expected, rates = 1.0, []
-        for n in range(len(tree) + 1):
-            if n:
-                expected += tree.probabilities[n - 1]
-            rates.append(expected / (draft_seconds + policy.verify_curve(num_pending_target + n)))
-        top = max(rates)
-        return next(n for n, rate in enumerate(rates) if rate >= top * (1 - policy.tie_tolerance))
 
     @staticmethod
     def _primary_chain(tree: DraftTree, probabilities: torch.Tensor) -> tuple[list[int], list[float]]:

@@ -463,10 +463,9 @@ def test_the_batch_plan_reads_learned_batched_costs(tiny, monkeypatch):
     target, _, _, prompts = tiny
     drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
     policy = _own_policy(drafter, {1: 10.0, 64: 10.0}, {1: 0.1, 64: 0.1})
-    assert batched_decoding_d3d.batched_costs(policy) is batched_decoding_d3d.batched_costs(policy)  # one per policy
+    assert policy.batched_costs is policy.batched_costs  # one per policy, kept for the process
     dear = {b: {1: 1.0, 2: 8.0, 16: 8.0} for b in range(1, len(prompts) + 1)}
-    costs = BatchedCosts.from_dict({"verify": dear})
-    monkeypatch.setattr(batched_decoding_d3d, "batched_costs", lambda _: costs)
+    policy.batched_costs = BatchedCosts.from_dict({"verify": dear})
     monkeypatch.setattr(BatchedCosts, "observe", lambda *args, **kwargs: None)
     ids, mask = left_pad(prompts)
     kw = dict(do_sample=False, max_new_tokens=16, pad_token_id=0, eos_token_id=None)
@@ -485,9 +484,9 @@ def test_batched_rounds_learn_their_costs(tiny):
     ids, mask = left_pad(prompts)
     kw = dict(do_sample=False, max_new_tokens=12, pad_token_id=0, eos_token_id=None, assistant_model=drafter)
     target.generate(ids, attention_mask=mask, d3d_num_drafts=3, **kw)
-    assert batched_decoding_d3d.batched_costs(policy).to_dict() == {}
+    assert policy.batched_costs.to_dict() == {}
     target.generate(ids, attention_mask=mask, d3d_prompt_lookup=False, **kw)
-    learned = batched_decoding_d3d.batched_costs(policy).to_dict()
+    learned = policy.batched_costs.to_dict()
     assert set(learned) == {"verify", "draft"}
     assert len(prompts) in learned["verify"] and len(prompts) in learned["draft"]
     assert max(rows for by_rows in learned["verify"].values() for rows in by_rows) < ids.shape[1]  # no prefill
