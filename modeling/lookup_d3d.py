@@ -90,7 +90,7 @@ def lookup_match(
     Returns:
         `(candidates, ngram_size)`: `torch.LongTensor` of shape `(1, n)` with `0 <= n <= num_tokens`, on
         `input_ids`' device (shape `(1, 0)` when nothing matches), and the size of the suffix n-gram that matched
-        (0 when none did). The size tells how reliable the match is (`estimates_d3d.LookupAcceptance`).
+        (0 when none did). The size tells how reliable the match is (`acceptance_d3d.LookupAcceptance`).
 
     Raises:
         ValueError: if `input_ids` is not of shape `(1, seq_len)`, `max_ngram_size` or `num_tokens` is below 1, or

@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 from _tiny import tiny_target
+from d3d_hf.modeling.acceptance_d3d import AcceptanceCalibrator, LookupAcceptance
 from d3d_hf.modeling.calibration_d3d import (
     CALIBRATION_FORMAT_VERSION,
     CalibrationStore,
@@ -21,13 +22,7 @@ from d3d_hf.modeling.calibration_d3d import (
     default_cache_dir,
     measure_cost_curves,
 )
-from d3d_hf.modeling.estimates_d3d import (
-    AcceptanceCalibrator,
-    BatchedCosts,
-    CostCurve,
-    LookupAcceptance,
-    expected_tokens,
-)
+from d3d_hf.modeling.estimates_d3d import BatchedCosts, CostCurve, expected_tokens
 from d3d_hf.modeling.lookup_d3d import lookup_candidates, lookup_match
 from d3d_hf.modeling.policy_d3d import DraftPolicy, RoundDecision
 from transformers.generation import PromptLookupCandidateGenerator
