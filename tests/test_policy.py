@@ -756,3 +756,48 @@ def test_lookup_examples():
     ):
         with pytest.raises(ValueError):
             lookup_candidates(**bad)
+
+
+# ---- one decision for a batch ----------------------------------------------------------------------------------------
+
+
+def test_a_batch_round_is_rated_on_the_batch_rows_and_lets_a_sequence_send_its_lookup_match():
+    from d3d_hf.modeling.policy_d3d import SequenceState
+
+    p = policy(verify=flat(1.0), draft=flat(0.01), profile_prior=0.6, profile_decay=0.5)
+    p.calibrator.observe([0.6], num_accepted=1)  # past the warm-up
+    for _ in range(50):
+        p.observe_lookup(num_sent=8, num_accepted=8)
+    batch = [SequenceState(limit=3, lookup_tokens=0), SequenceState(limit=3, lookup_tokens=3, lookup_ngram_size=3)]
+    decision = p.decide(batch=batch)
+    assert decision.source == "drafter" and decision.lookup_rows == (False, True)
+    # one sequence: a drafter round never carries lookup rows (that round is the lookup option)
+    assert p.decide(1, lookup_tokens=3, max_candidates=3).lookup_rows == ()
+    # the batch's verification is dearer per row than one sequence's: plain steps where one sequence drafts
+    dear = BatchedCosts.from_dict({"verify": {2: {1: 1.0, 2: 8.0, 16: 8.0}}})
+    p.batched_costs = dear
+    assert p.decide(batch=[SequenceState(limit=3)] * 2).source == "target"
+    assert p.decide(1, max_candidates=3).source == "drafter"
+    # no draft pass allowed (the prefill of a drafter on the target's cache): never a drafter round
+    assert p.decide(batch=[SequenceState(limit=3)] * 2, draft_pass=False).source != "drafter"
+
+
+def test_batch_decisions_refuse_mixed_arguments_and_bad_states():
+    from d3d_hf.modeling.policy_d3d import SequenceState
+
+    p = policy(verify=flat(1.0), draft=flat(0.01))
+    with pytest.raises(ValueError, match="drop the scalar arguments"):
+        p.decide(3, batch=[SequenceState(limit=3)])
+    with pytest.raises(ValueError, match="SequenceState"):
+        p.decide(batch=[])
+    with pytest.raises(ValueError, match="pending counts >= 1"):
+        p.decide(batch=[SequenceState(limit=3, verify_pending=0)])
+    with pytest.raises(ValueError, match="2 sequences, `batch` 1"):
+        p.choose([[0.5], None], 0.0, batch=[SequenceState()])
+
+
+def test_a_fixed_plan_keeps_its_block_whole_near_the_length_limit():
+    p = DraftPolicy(max_drafts=15, mode=4)
+    decision = p.decide(num_pending=2, max_candidates=2)
+    assert (decision.num_masks, decision.pass_masks, decision.draft_rows) == (2, 4, 6)
+    assert p.decide(num_pending=1).block_masks is None  # room for the whole block

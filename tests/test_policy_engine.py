@@ -159,6 +159,7 @@ def test_calibration_is_measured_once_keyed_and_restored_from_disk(monkeypatch, 
     drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
     measured = []
     real = calibration_d3d.measure_cost_curves
+
     def counted(*a, **k):  # full calibrations only (not the one-row drift check of a restored one)
         if k.get("rows") is None:
             measured.append(1)
@@ -378,3 +379,38 @@ def test_verifications_that_timed_the_targets_matmul_layouts_are_not_learned(mon
     for timing, timed in zip(learned, timed_layouts, strict=True):
         assert (timing is None) == timed
     assert torch.equal(out, _greedy(target, ids, max_new_tokens=40))
+
+
+def test_every_round_of_a_chain_a_tree_and_a_batch_is_decided_by_the_policy(monkeypatch):
+    """One function decides a round (issue 36): `DraftPolicy.decide` is asked once per round of D3D's chain rounds,
+    tree rounds and batched rounds (a batch with `batch=`), and nothing beside it overrides what it decided."""
+    target = tiny_target("llama", sharpen=4.0)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    drafter.draft_policy = DraftPolicy(CostCurve({1: 0.05, 16: 0.05}), CostCurve({1: 0.001, 64: 0.001}), max_drafts=3)
+    asked = []
+    original = DraftPolicy.decide
+
+    def decide(self, *args, **kwargs):
+        decision = original(self, *args, **kwargs)
+        asked.append(("batch" if kwargs.get("batch") is not None else "one", decision.source))
+        return decision
+
+    monkeypatch.setattr(DraftPolicy, "decide", decide)
+    ids = random_prompt(9)
+    for options in ({}, {"d3d_tree_budget": 4}):
+        asked.clear()
+        out = _greedy(target, ids, drafter, max_new_tokens=20, d3d_prompt_lookup=False, **options)
+        assert torch.equal(out, _greedy(target, ids, max_new_tokens=20))
+        stats = drafter.last_generation_stats
+        # every round but one left without room before `max_length` (a plain step, nothing to decide)
+        assert [kind for kind, _ in asked] == ["one"] * len(asked) and stats.rounds - len(asked) in (0, 1)
+        assert [source for _, source in asked] == stats.round_sources[: len(asked)]
+    asked.clear()
+    batch = torch.cat([random_prompt(9, seed=1), random_prompt(9, seed=2)])
+    config = GenerationConfig(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    out = target.generate(
+        batch, attention_mask=torch.ones_like(batch), assistant_model=drafter, generation_config=config
+    )
+    assert torch.equal(out, target.generate(batch, attention_mask=torch.ones_like(batch), generation_config=config))
+    assert [kind for kind, _ in asked] == ["batch"] * drafter.last_generation_stats.rounds
+    assert "drafter" in {source for _, source in asked}
