@@ -70,11 +70,7 @@ from .options_d3d import call_options, check_batch_options
 from .policy_d3d import SequenceState
 from .prompt_masks_d3d import check_prompt_mask, needs_batched_loop
 from .sampling_d3d import ShiftedNoise, sequence_noise
-
-try:  # the chain rule of transformers' own loop, for `d3d_sampling="speculative"`
-    from transformers.generation.utils import _speculative_sampling
-except ImportError:  # pragma: no cover - depends on the installed transformers
-    _speculative_sampling = None
+from .verifier_d3d import _speculative_sampling, accept_chain, cut_committed, process_rows
 
 #: model keyword arguments the batched loop honours (anything else: the call is refused with its name)
 _KNOWN_MODEL_KWARGS = frozenset(
@@ -477,25 +473,11 @@ class BatchedRounds:
             drafts = torch.cat(plan.drafts, dim=1).to(row.device) if k else row.new_zeros((1, 0))
             candidates = torch.cat([row, drafts], dim=1)
             cur_len = row.shape[1]
-            processors = self.processors[a]
-            if len(processors) > 0:
-                for i in range(k + 1):
-                    new_logits[i : i + 1] = processors(candidates[:, : cur_len + i], new_logits[i : i + 1])
-            noise = self.noise[a]
-            if do_sample and noise is None and k:
-                valid, n = _speculative_sampling(
-                    candidates, torch.stack(plan.scores, dim=1).to(row.device), k, new_logits[None]
-                )
-                n = int(n)
-            else:
-                if noise is not None:
-                    selected = noise.choose(new_logits, range(cur_len, cur_len + k + 1))[None]
-                elif do_sample:
-                    selected = torch.multinomial(new_logits.softmax(dim=-1), num_samples=1).view(1, -1)
-                else:
-                    selected = new_logits.argmax(dim=-1)[None]
-                n = int(((~(drafts == selected[:, :-1])).cumsum(dim=-1) < 1).sum())
-                valid = selected[:, : n + 1]
+            process_rows(self.processors[a], lambda i, c=candidates, n=cur_len: c[:, : n + i], new_logits)
+            draft_scores = torch.stack(plan.scores, dim=1).to(row.device) if k else None
+            valid, n = accept_chain(
+                candidates, cur_len, new_logits, do_sample=do_sample, noise=self.noise[a], draft_scores=draft_scores
+            )
             results.append((valid.to(row.device), n, new_logits, raw))
         self.counts, self.width = counts, width
         return results
@@ -628,10 +610,7 @@ def batched_assisted_decoding(
             for r, a in enumerate(list(rounds.active)):
                 valid, n, new_logits, raw = results[r]
                 row = rounds.rows[a]
-                valid = valid[:, : generation_config.max_length - row.shape[1]]
-                hits = [i for i, token in enumerate(valid[0].tolist()) if token in eos_ids]
-                if hits:
-                    valid = valid[:, : hits[0] + 1]
+                valid = cut_committed(valid, generation_config.max_length - row.shape[1], eos_ids)
                 n = valid.shape[1] - 1
                 rounds.rows[a] = row = torch.cat([row, valid], dim=1)
                 committed += n + 1

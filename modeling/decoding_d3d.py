@@ -30,18 +30,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .batched_decoding_d3d import batched_assisted_decoding
 from .options_d3d import call_options
 from .prompt_masks_d3d import needs_batched_loop
-from .tree_d3d import (
-    check_tree_cache,
-    greedy_tree_path,
-    keep_cache_path,
-    sample_tree_path,
-    tree_attention_inputs,
-)
-
-try:  # the chain rule of transformers' own loop, so that chain rounds consume the random stream identically
-    from transformers.generation.utils import _speculative_sampling
-except ImportError:  # pragma: no cover - depends on the installed transformers
-    _speculative_sampling = None
+from .tree_d3d import check_tree_cache, keep_cache_path, tree_attention_inputs
+from .verifier_d3d import accept_chain, accept_tree, cut_committed, process_rows
 
 _HOOK_ATTRIBUTE = "_d3d_decoding_hook"
 _EXPECTED_PARAMETERS = (
@@ -82,25 +72,6 @@ def own_loop_blocker(target, generation_config, synced_gpus: bool, model_kwargs:
     if cache is None:
         return "no cache was prepared"
     return None
-
-
-def _chain_sampling(candidate_ids, candidate_logits, num_candidates, new_logits):
-    """Speculative sampling of a chain (arXiv 2211.17192, algorithm 1), for a transformers without
-    `_speculative_sampling`: returns `(valid_tokens (1, n + 1), n)`."""
-    drafts = candidate_ids[0, -num_candidates:]
-    q = candidate_logits[0].softmax(dim=-1)
-    p = new_logits[0].softmax(dim=-1)
-    index = torch.arange(num_candidates, device=p.device)
-    ratio = p[index, drafts] / q[index, drafts]
-    accepted = torch.rand_like(ratio) <= ratio
-    n = int((~accepted).cumsum(dim=-1).lt(1).sum())
-    if n < num_candidates:
-        residual = (p[n] - q[n]).clamp_min(0)
-        residual = residual / residual.sum()
-    else:
-        residual = p[n]
-    token = torch.multinomial(residual, 1)
-    return torch.cat([drafts[:n], token]).view(1, -1), n
 
 
 def d3d_assisted_decoding(
@@ -222,6 +193,7 @@ def d3d_assisted_decoding(
 
                 def history(row: int, candidates=candidate_ids, cur_len=cur_len) -> torch.LongTensor:
                     return candidates[:, : cur_len + row]
+
             block_rows = successors.block_rows if successors is not None and not tree_mode else 0
             forward_kwargs = {"logits_to_keep": num_candidates + 1 + block_rows} if keep_logits else {}
             with successors.context(new_ids.shape[1] - block_rows) if block_rows else contextlib.nullcontext():
@@ -247,42 +219,22 @@ def d3d_assisted_decoding(
             new_logits = outputs.logits[:, target_end - num_candidates - 1 : target_end]
             new_logits = new_logits.to(dtype=torch.float32, device=input_ids.device)
             raw = new_logits.clone() if raw_logits is not None else None
-            if len(logits_processor) > 0:  # each row on its own history, built only when a processor needs it
-                for i in range(num_candidates + 1):
-                    new_logits[:, i, :] = logits_processor(history(i).to(input_ids.device), new_logits[:, i, :])
+            process_rows(logits_processor, lambda i, h=history, d=input_ids.device: h(i).to(d), new_logits[0])
             if tree_mode:
-                if noise is not None:  # drafter-invariant: each row's Gumbel-max at its own position, then greedy
-                    depths = [0] + [len(tree.path_tokens(node)) for node in range(num_candidates)]
-                    choices = noise.choose(new_logits[0], [cur_len + depth for depth in depths])
-                    path, bonus = greedy_tree_path(tree, choices.tolist())
-                elif do_sample:
-                    probabilities = new_logits[0].softmax(dim=-1)
-                    path, bonus = sample_tree_path(tree, lambda node, p=probabilities: p[node + 1])
-                else:
-                    path, bonus = greedy_tree_path(tree, new_logits[0].argmax(dim=-1).tolist())
+                path, bonus = accept_tree(tree, cur_len, new_logits[0], do_sample=do_sample, noise=noise)
                 rows = [0] + [node + 1 for node in path]  # logits rows of the committed tokens, in order
                 valid = input_ids.new_tensor([[tree.tokens[node] for node in path] + [bonus]])
-            elif do_sample and candidate_logits is not None and noise is None:
-                rule = _speculative_sampling if _speculative_sampling is not None else _chain_sampling
-                valid, n_matches = rule(candidate_ids, candidate_logits, num_candidates, new_logits)
-                valid = valid.to(input_ids.device)
-                rows = list(range(int(n_matches) + 1))
             else:
-                if noise is not None:  # drafter-invariant: a draft is accepted iff it is the Gumbel-max token
-                    selected = noise.choose(new_logits[0], range(cur_len, cur_len + num_candidates + 1))[None]
-                elif do_sample:
-                    selected = torch.multinomial(new_logits[0].softmax(dim=-1), num_samples=1).view(1, -1)
-                else:
-                    selected = new_logits.argmax(dim=-1)
-                drafts = candidate_ids[:, cur_len:].to(input_ids.device)
-                n_matches = int(((~(drafts == selected[:, :-1])).cumsum(dim=-1) < 1).sum())
-                valid = selected[:, : n_matches + 1]
+                valid, n_matches = accept_chain(
+                    candidate_ids.to(input_ids.device),
+                    cur_len,
+                    new_logits[0],
+                    do_sample=do_sample,
+                    noise=noise,
+                    draft_scores=candidate_logits,
+                )
                 rows = list(range(n_matches + 1))
-            # cut at max_length and at the first eos, as transformers' loop does
-            valid = valid[:, : generation_config.max_length - cur_len]
-            hits = [i for i, token in enumerate(valid[0].tolist()) if token in eos_ids]
-            if hits:
-                valid = valid[:, : hits[0] + 1]
+            valid = cut_committed(valid, generation_config.max_length - cur_len, eos_ids)
             n_matches = valid.shape[1] - 1
             rows = rows[: n_matches + 1]
             input_ids = torch.cat([input_ids, valid.to(input_ids.device)], dim=-1)
