@@ -70,7 +70,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .drafting_d3d import D3DCache
 from .estimates_d3d import _MIN_SECONDS, BatchedCosts, expected_tokens
-from .fast_paths_d3d import GQA_SDPA
+from .fast_paths_d3d import GQA_SDPA, layout_mark
 from .options_d3d import call_options, check_batch_options
 from .prompt_masks_d3d import check_prompt_mask, needs_batched_loop
 from .sampling_d3d import ShiftedNoise, sequence_noise
@@ -446,7 +446,7 @@ class BatchedRounds:
         masked = torch.zeros_like(ids, dtype=torch.bool)
         masked[:, width:] = True
         allowed, positions, _ = slots.inputs([p + masks for p in pending], width + masks, tail=masks)
-        trials = passes.layout_trials()
+        mark = layout_mark()  # a pass that timed matmul layouts is not learned
         start = time.perf_counter()
         with torch.no_grad():
             logits = self.drafter(
@@ -460,7 +460,7 @@ class BatchedRounds:
             ).logits.float()
         seconds = time.perf_counter() - start
         self.draft_seconds = seconds
-        self._learn("draft", width + masks, seconds if passes.layout_trials() == trials else None)
+        self._learn("draft", width + masks, mark.learned(seconds))
         if not self.shared:
             cache.crop(slots.num_slots + width)
             slots.append(pending, width, pending)

@@ -36,7 +36,7 @@ from .drafting_d3d import (
     packed_draft_logits,
     resolve_packed_attention_kernel,
 )
-from .fast_paths_d3d import FastPathSettings, gqa_sdpa_attention_forward
+from .fast_paths_d3d import FastPathSettings
 from .initialization_d3d import from_autoregressive
 from .layers_d3d import (
     D3DDecoderLayer,
@@ -170,8 +170,13 @@ class D3DPreTrainedModel(PreTrainedModel):
             nn.init.zeros_(module.lora_B)
 
 
-class D3DModel(FastPathSettings, D3DPreTrainedModel):
-    """The bare D3D decoder stack (embeddings, layers, final norm), returning final hidden states."""
+class D3DModel(D3DPreTrainedModel):
+    """The bare D3D decoder stack (embeddings, layers, final norm), returning final hidden states.
+
+    Its layers call plain linears and dispatch attention through transformers' attention registry;
+    `patches_d3d.apply_fast_paths` routes a drafter through the CPU fast paths from outside (D3D's `generate` does,
+    for the call), by the switches of `fast_path_settings` (`autotune_matmuls`, `fused_projections`).
+    """
 
     def __init__(self, config: D3DConfig) -> None:
         super().__init__(config)
@@ -184,9 +189,45 @@ class D3DModel(FastPathSettings, D3DPreTrainedModel):
         self.mask_embedding = D3DMaskEmbedding(config.hidden_size) if config.mask_token_id is None else None
         # how packed passes attend (not saved): `drafting_d3d.PACKED_ATTENTION_IMPLEMENTATIONS`
         self.packed_attention_implementation = "auto"
-        self.fused_projections = "auto"
-        self.autotune_matmuls = True
+        # the switches of the fast paths (not saved) and the derived weights they hold: `fast_paths_d3d`
+        self.fast_path_settings = FastPathSettings()
         self.post_init()
+
+    @property
+    def autotune_matmuls(self) -> bool:
+        """`fast_path_settings.autotune_matmuls` (`fast_paths_d3d.FastPathSettings`: the matmuls of draft passes on
+        the machine's fastest layout; default `True`). Setting `False` frees this model's packed weight copies.
+
+        Raises:
+            ValueError: (on assignment) for a value that is not a `bool`.
+        """
+        return self.fast_path_settings.autotune_matmuls
+
+    @autotune_matmuls.setter
+    def autotune_matmuls(self, value: bool) -> None:
+        weights = list(self.parameters())
+        owner = self.__dict__.get("_output_embeddings")
+        if owner is not None and owner() is not None:  # the LM head (the target's, once attached)
+            weights.append(owner().lm_head.weight)
+        self.fast_path_settings.set_autotune_matmuls(value, weights)
+
+    @property
+    def fused_projections(self) -> str | bool:
+        """`fast_path_settings.fused_projections` (`fast_paths_d3d.FastPathSettings`: projection groups on one
+        fused weight copy; `"auto"`, `True` or `False`). Setting `False` frees the copy.
+
+        Raises:
+            ValueError: (on assignment) for any other value.
+        """
+        return self.fast_path_settings.fused_projections
+
+    @fused_projections.setter
+    def fused_projections(self, value: str | bool) -> None:
+        self.fast_path_settings.fused_projections = value
+
+    def fused_projections_bytes(self) -> int:
+        """Bytes held by the fused projection weights built so far (0 when none)."""
+        return self.fast_path_settings.fused_projections_bytes()
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -273,11 +314,10 @@ class D3DModel(FastPathSettings, D3DPreTrainedModel):
             position_ids = torch.arange(past_len, past_len + seq_len, device=device)[None].expand(batch_size, -1)
 
         key_len = past_len + seq_len
-        # the one decision of this forward about how attention runs
+        # the one decision of this forward about how attention runs (transformers' registry; `apply_fast_paths`
+        # switches "sdpa" to the copy-free grouped-query function `GQA_SDPA` registered there)
         attention_interface = eager_attention_forward
-        if self.config._attn_implementation == "sdpa":
-            attention_interface = gqa_sdpa_attention_forward
-        elif self.config._attn_implementation not in (None, "eager"):
+        if self.config._attn_implementation not in (None, "eager"):
             attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         if packed_metadata is not None:
             if attention_mask is not None:
@@ -314,11 +354,13 @@ class D3DModel(FastPathSettings, D3DPreTrainedModel):
             raise ValueError("Reading a cache without extending it is not supported: pass `use_cache=True`.")
         if block_positions is None:
             block_positions = masked_positions
-        block_rows = self._block_rows(block_positions, hidden_states.dtype, device)
+        block_gate = None  # 1 at the rows where the block adapters apply
+        if self.config.block_lora_rank > 0 and block_positions is not None:
+            block_gate = block_positions[..., None].to(hidden_states.dtype)
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         for layer in self.layers:
             hidden_states = layer(
-                hidden_states, position_embeddings, attention_mask, cache, block_rows, attention_interface
+                hidden_states, position_embeddings, attention_mask, cache, block_gate, attention_interface
             )
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
@@ -359,7 +401,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
             # the target id of each LM-head row (FR-Spec draft vocabulary); set by `set_draft_vocabulary`
             self._tied_weights_keys = {}
             self.register_buffer("draft_vocab_ids", torch.arange(head_rows, dtype=torch.long), persistent=True)
-        self.model._output_embeddings = weakref.ref(self)  # whose LM head runs on `autotune_matmuls` too
+        self.model._output_embeddings = weakref.ref(self)  # whose LM head's packed copy `autotune_matmuls` frees
         self.post_init()
         from .hooks_d3d import install_generation_hook  # the engine's seam (module docstring)
 
@@ -580,7 +622,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         hidden_states = outputs.last_hidden_state
         if logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
-        outputs.logits = self.model._lm_head_logits(self.lm_head, hidden_states)
+        outputs.logits = self.lm_head(hidden_states)
         if self.config.draft_vocab_size and not draft_vocab_logits:
             outputs.logits = self.expand_draft_logits(outputs.logits)
         return outputs
