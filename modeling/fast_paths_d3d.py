@@ -553,13 +553,17 @@ class FastPathSettings:
             raise ValueError(f"`autotune_matmuls` must be True or False, got {value!r}.")
         self._autotune_matmuls = value
 
-    def set_autotune_matmuls(self, value: bool, weights) -> None:
-        """Sets `autotune_matmuls`; `False` also frees the packed copies of `weights` (the model's and its LM
-        head's) and of the fused weights built so far."""
+    def set_autotune_matmuls(self, value: bool, model: nn.Module) -> None:
+        """Sets `autotune_matmuls`; `False` also frees the packed copies of `model`'s weights (a `D3DModel`), its
+        LM head's (the drafter's, whose `_output_embeddings` it is) and the fused weights built so far."""
         self.autotune_matmuls = value
         if value is False:
-            fused = [c["fused_projections"][1].weight for c in self.caches.values() if "fused_projections" in c]
-            MATMUL_LAYOUTS.release_packed([*weights, *fused])
+            weights = [*model.parameters()]
+            weights += [c["fused_projections"][1].weight for c in self.caches.values() if "fused_projections" in c]
+            owner = model.__dict__.get("_output_embeddings")
+            if owner is not None and owner() is not None:  # the LM head (the target's, once attached)
+                weights.append(owner().lm_head.weight)
+            MATMUL_LAYOUTS.release_packed(weights)
 
     @property
     def fused_projections(self) -> str | bool:

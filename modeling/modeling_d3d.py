@@ -1,12 +1,10 @@
 """D3D block-diffusion drafter (arXiv 2611.06425): Llama/Qwen3-family decoder stack with a mask token.
 
-The model only: `D3DModel` (the decoder stack of `layers_d3d`) and `D3DForDiffusionDrafting` (plus an LM head; its
-passes and initialisation come from the files it imports). The ground floor of the remote-code bundle uploaded next
-to every checkpoint: at module level it imports only torch, the public transformers API and the model's own sibling
-files (config, layers, drafting passes, checkpoint I/O), never the generation engine. The engine comes in through one
-lazy seam: `D3DForDiffusionDrafting.__init__` imports `hooks_d3d` to install the generation hook, and
-`build_candidate_generator` imports `generation_d3d`. transformers' remote-code loading still copies every engine
-file with a checkpoint: it finds relative imports inside functions too (`dynamic_module_utils.get_relative_imports`).
+The model only: `D3DModel` (the decoder stack of `layers_d3d`) and `D3DForDiffusionDrafting` (plus an LM head), the
+ground floor of the remote-code bundle: at module level it imports only torch, the public transformers API and the
+model's own sibling files, never the generation engine, which comes in through one lazy seam (`__init__` imports
+`hooks_d3d`, `build_candidate_generator` imports `generation_d3d`; transformers' remote-code loading still copies
+them with a checkpoint, as it follows relative imports inside functions too).
 
 Attention convention: every attention mask handled here is boolean, `True` where a query may attend to a key, of
 shape `(batch_size, 1, query_len, key_len)`; `key_len` counts the cached tokens first, then the current ones.
@@ -143,12 +141,9 @@ class D3DPreTrainedModel(PreTrainedModel):
 
     def push_to_hub(self, repo_id: str, *, tokenizer=None, **kwargs):
         r"""
-        Uploads the folder `save_pretrained` writes (model card included) to the Hub.
-
-        With `d3d_hf` installed this is its `d3d.push_handlers` entry point, `d3d_hf.hub.push_drafter` (keyword
-        arguments of transformers' `push_to_hub`, plus `tokenizer` and `overwrite_card`); with only torch +
-        transformers it is transformers' `push_to_hub` (generic card), followed by `tokenizer.push_to_hub` when a
-        tokenizer is given.
+        Uploads the folder `save_pretrained` writes (model card included) to the Hub: with `d3d_hf` installed its
+        `d3d.push_handlers` entry point, `d3d_hf.hub.push_drafter` (transformers' `push_to_hub` arguments, plus
+        `tokenizer` and `overwrite_card`); else transformers' `push_to_hub`, then `tokenizer.push_to_hub`.
 
         Returns:
             `huggingface_hub.CommitInfo` of the model upload.
@@ -171,12 +166,8 @@ class D3DPreTrainedModel(PreTrainedModel):
 
 
 class D3DModel(D3DPreTrainedModel):
-    """The bare D3D decoder stack (embeddings, layers, final norm), returning final hidden states.
-
-    Its layers call plain linears and dispatch attention through transformers' attention registry;
-    `patches_d3d.apply_fast_paths` routes a drafter through the CPU fast paths from outside (D3D's `generate` does,
-    for the call), by the switches of `fast_path_settings` (`autotune_matmuls`, `fused_projections`).
-    """
+    """The bare D3D decoder stack (embeddings, layers, final norm), returning final hidden states. Plain linears and
+    transformers' attention registry: `patches_d3d.apply_fast_paths` adds the CPU fast paths from outside."""
 
     def __init__(self, config: D3DConfig) -> None:
         super().__init__(config)
@@ -189,45 +180,20 @@ class D3DModel(D3DPreTrainedModel):
         self.mask_embedding = D3DMaskEmbedding(config.hidden_size) if config.mask_token_id is None else None
         # how packed passes attend (not saved): `drafting_d3d.PACKED_ATTENTION_IMPLEMENTATIONS`
         self.packed_attention_implementation = "auto"
-        # the switches of the fast paths (not saved) and the derived weights they hold: `fast_paths_d3d`
-        self.fast_path_settings = FastPathSettings()
+        self.fast_path_settings = FastPathSettings()  # the fast paths' switches and derived weights (not saved)
         self.post_init()
 
-    @property
-    def autotune_matmuls(self) -> bool:
-        """`fast_path_settings.autotune_matmuls` (`fast_paths_d3d.FastPathSettings`: the matmuls of draft passes on
-        the machine's fastest layout; default `True`). Setting `False` frees this model's packed weight copies.
-
-        Raises:
-            ValueError: (on assignment) for a value that is not a `bool`.
-        """
-        return self.fast_path_settings.autotune_matmuls
-
-    @autotune_matmuls.setter
-    def autotune_matmuls(self, value: bool) -> None:
-        weights = list(self.parameters())
-        owner = self.__dict__.get("_output_embeddings")
-        if owner is not None and owner() is not None:  # the LM head (the target's, once attached)
-            weights.append(owner().lm_head.weight)
-        self.fast_path_settings.set_autotune_matmuls(value, weights)
-
-    @property
-    def fused_projections(self) -> str | bool:
-        """`fast_path_settings.fused_projections` (`fast_paths_d3d.FastPathSettings`: projection groups on one
-        fused weight copy; `"auto"`, `True` or `False`). Setting `False` frees the copy.
-
-        Raises:
-            ValueError: (on assignment) for any other value.
-        """
-        return self.fast_path_settings.fused_projections
-
-    @fused_projections.setter
-    def fused_projections(self, value: str | bool) -> None:
-        self.fast_path_settings.fused_projections = value
-
-    def fused_projections_bytes(self) -> int:
-        """Bytes held by the fused projection weights built so far (0 when none)."""
-        return self.fast_path_settings.fused_projections_bytes()
+    # the fast-path switches, forwarded to `fast_path_settings` (`FastPathSettings`: meaning, defaults, errors)
+    autotune_matmuls = property(
+        lambda self: self.fast_path_settings.autotune_matmuls,
+        lambda self, value: self.fast_path_settings.set_autotune_matmuls(value, self),
+        doc="`fast_path_settings.autotune_matmuls`: draft passes' matmuls on the machine's fastest layout.",
+    )
+    fused_projections = property(
+        lambda self: self.fast_path_settings.fused_projections,
+        lambda self, value: setattr(self.fast_path_settings, "fused_projections", value),
+        doc="`fast_path_settings.fused_projections`: projection groups on one fused weight copy.",
+    )
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens

@@ -223,27 +223,27 @@ def test_fused_projections_option_memory_and_errors(monkeypatch):
     with torch.no_grad(), patches_d3d.apply_fast_paths(drafter):
         fused = drafter(ids, block_positions=block).logits
         layer_bytes = sum(p.numel() * p.element_size() for n, p in drafter.model.layers.named_parameters())
-        held = drafter.model.fused_projections_bytes()
+        held = drafter.model.fast_path_settings.fused_projections_bytes()
         assert layer_bytes - 1024 < held < 2 * layer_bytes, "one more copy of the layers' weights (plus B blocks)"
         drafter.model.fused_projections = False  # frees the copy, same values by the other path
-        assert drafter.model.fused_projections_bytes() == 0
+        assert drafter.model.fast_path_settings.fused_projections_bytes() == 0
         torch.testing.assert_close(drafter(ids, block_positions=block).logits, fused, rtol=1e-5, atol=1e-5)
-        assert drafter.model.fused_projections_bytes() == 0
+        assert drafter.model.fast_path_settings.fused_projections_bytes() == 0
         drafter(ids)  # a forward without block rows never builds them
         drafter.model.fused_projections = True
         drafter(ids)
-        assert drafter.model.fused_projections_bytes() == 0
+        assert drafter.model.fast_path_settings.fused_projections_bytes() == 0
     monkeypatch.setattr(os, "sysconf", lambda name: 1000 if name == "SC_PHYS_PAGES" else 4096)  # a 4 MB machine
     drafter.model.fused_projections, drafter.model.fast_path_settings._auto_fused_decision = "auto", None
     with torch.no_grad(), patches_d3d.apply_fast_paths(drafter):
         drafter(ids, block_positions=block)
-    assert drafter.model.fused_projections_bytes() == 0, "'auto' keeps off a copy that would not fit"
+    assert drafter.model.fast_path_settings.fused_projections_bytes() == 0, "'auto' keeps off a copy that would not fit"
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="'auto', True or False"):
             drafter.model.fused_projections = bad
     with torch.enable_grad(), patches_d3d.apply_fast_paths(drafter):  # training never uses them
         drafter(ids, block_positions=block).logits.sum().backward()
-    assert drafter.model.fused_projections_bytes() == 0
+    assert drafter.model.fast_path_settings.fused_projections_bytes() == 0
 
 
 def test_auto_fused_projections_count_the_packed_copy_in_half_precision(monkeypatch):
