@@ -323,10 +323,11 @@ def measure_cost_curves(
       `q - 1` masks (`drafter.draft_logits(committed_ids, cache, num_masks=q - 1)`), cropping back after each.
 
     Each time is the median of `repeats` after one warm-up call (more until one runs on chosen matmul layouts only:
-    `fast_paths_d3d.layout_mark`, which counts the target's too under `d3d_target_matmul_layouts`), under `torch.no_grad()`
-    with both models in eval mode (their previous modes are restored), the drafter on its fast paths
-    (`patches_d3d.apply_fast_paths`; the target's are the caller's, e.g. the `generate` call's). On CUDA the device is synchronised around each call. A drafter that
-    shares its target's weights gets them attached first. Rows above the drafter's block size time a longer block.
+    `fast_paths_d3d.layout_mark`, which counts the target's too under `d3d_target_matmul_layouts`), under
+    `torch.no_grad()` with both models in eval mode (their previous modes are restored), the drafter on its fast
+    paths (`patches_d3d.apply_fast_paths`; the target's are the caller's, e.g. the `generate` call's). On CUDA the
+    device is synchronised around each call. A drafter that shares its target's weights gets them attached first.
+    Rows above the drafter's block size time a longer block.
 
     Args:
         target (`PreTrainedModel`): the causal LM to verify with.

@@ -29,8 +29,8 @@ import torch
 from transformers.generation import GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .batched_decoding_d3d import batched_assisted_decoding
 from . import fast_paths_d3d
+from .batched_decoding_d3d import batched_assisted_decoding
 from .options_d3d import call_options, experiment
 from .patches_d3d import apply_fast_paths
 from .prompt_masks_d3d import needs_batched_loop

@@ -18,9 +18,9 @@ from transformers import PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .async_rounds_d3d import PackedSuccessorDrafting
+from .fast_paths_d3d import GQA_SDPA
 from .hooks_d3d import check_prompt_and_drafter
 from .options_d3d import D3DGenerationOptions, call_options, check_batch_options
-from .fast_paths_d3d import GQA_SDPA
 from .planner_d3d import DraftPasses, RoundPlanner
 from .proposer_d3d import DraftProposer
 from .runtime_d3d import RoundClock
@@ -235,7 +235,9 @@ class D3DCandidateGenerator(CandidateGenerator):
             self.stats.shared_target_cache = True
         self._resolve_fused_drafting(target)
         # the fast paths were applied where the call started (`decoding_d3d`'s wrapper: `apply_fast_paths`)
-        self.stats.target_gqa_attention = getattr(getattr(target, "config", None), "_attn_implementation", None) == GQA_SDPA
+        self.stats.target_gqa_attention = (
+            getattr(getattr(target, "config", None), "_attn_implementation", None) == GQA_SDPA
+        )
         yield self.tree
 
     def _resolve_fused_drafting(self, target) -> None:

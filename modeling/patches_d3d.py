@@ -17,8 +17,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .adapters_d3d import D3DLinear
 from . import fast_paths_d3d
+from .adapters_d3d import D3DLinear
 from .fast_paths_d3d import _SDPA_HAS_ENABLE_GQA, GQA_SDPA, project
 
 

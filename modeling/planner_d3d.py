@@ -25,8 +25,8 @@ class DraftPasses:
 
     A pass during which `MatmulLayouts` was still timing candidate layouts (a row count seen for the first time) ran
     some matmuls on slower layouts than it will from then on: its time is used for that round's choice but not
-    learned into the cost curves (`timed_pass`, `learned_verify_seconds`: `fast_paths_d3d.layout_mark`), where the policy's
-    EMA would keep it."""
+    learned into the cost curves (`timed_pass`, `learned_verify_seconds`: `fast_paths_d3d.layout_mark`), where the
+    policy's EMA would keep it."""
 
     def __init__(self, drafter) -> None:
         self.drafter = drafter
@@ -75,8 +75,9 @@ class RoundPlanner:
 
     Adaptive (`d3d_num_drafts="adaptive"`): the drafter's own `draft_policy` if it has one, else the machine's
     calibrated policy for this (target, drafter) pair (`calibration_d3d.policy_for`, measured under the fast paths
-    the call's `generate` applied: `patches_d3d.apply_fast_paths`). Fixed (a number or `"full"`): a `DraftPolicy` of that many drafts; prompt lookup off. Without
-    a target to calibrate against, the fixed full block (recorded in `stats.overrides`).
+    the call's `generate` applied: `patches_d3d.apply_fast_paths`). Fixed (a number or `"full"`): a `DraftPolicy` of
+    that many drafts; prompt lookup off. Without a target to calibrate against, the fixed full block (recorded in
+    `stats.overrides`).
 
     Args:
         drafter (`D3DForDiffusionDrafting`): the drafter.

@@ -7,11 +7,11 @@ import d3d_hf.modeling.fast_paths_d3d as fast_paths
 import pytest
 import torch
 from _tiny import random_prompt, tiny_target
-from d3d_hf.experiments import target_matmul_layouts
 from d3d_hf.modeling.fast_paths_d3d import MatmulLayouts
 from d3d_hf.modeling.patches_d3d import apply_fast_paths
 
 from d3d_hf import D3DCache, D3DForDiffusionDrafting
+from d3d_hf.experiments import target_matmul_layouts
 
 
 class ScriptedLayouts(MatmulLayouts):
