@@ -124,3 +124,22 @@ def test_an_experiment_without_the_library_is_refused_saying_to_install_it(monke
     name = next(iter(option))
     if name in default:  # the default value asks for no experiment
         D3DGenerationOptions.resolve(**{name: default[name]})
+
+
+def test_asynchronous_drafting_on_cpu_without_the_library_is_refused(monkeypatch):
+    """The CPU worker thread of `d3d_async=True` is the library's (`d3d_hf.experiments.cpu_worker`)."""
+    real = importlib.metadata.entry_points
+    monkeypatch.setattr(
+        options_d3d,
+        "entry_points",
+        lambda group=None, **kw: [] if group == options_d3d.EXPERIMENTS_GROUP else real(group=group, **kw),
+    )
+    target = tiny_target("llama", seed=3)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    ids = random_prompt(6)
+    with (
+        pytest.warns(UserWarning, match="d3d_async=True on CPU"),
+        pytest.raises(ValueError, match="pip install d3d-hf"),
+    ):
+        target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, do_sample=False,
+                        max_new_tokens=4, d3d_async=True, d3d_num_drafts=3)  # fmt: skip

@@ -6,16 +6,20 @@ d3d-hf). Each entry is named after its option's field:
 - `target_matmul_layouts` (`d3d_target_matmul_layouts=True`): the target's linears on `MatmulLayouts`
   (`route_target_linears`, applied with the call's fast paths);
 - `draft_passes` (`d3d_draft_passes=False`): the adaptive engine without its drafter (`without_draft_passes`);
-- `share_target_cache` (`d3d_share_target_cache=False`), `decoding_loop` (`d3d_decoding_loop="transformers"`) and
-  `worker_threads` (`d3d_worker_threads`, the CPU worker of asynchronous drafting): switches of the bundle's own
-  code, offered here so that they run only where the library that measures them is installed (`ablation`).
+- `worker_threads` (`d3d_worker_threads`, and `d3d_async=True` on CPU): the CPU worker thread of asynchronous
+  drafting (`cpu_worker`);
+- `share_target_cache` (`d3d_share_target_cache=False`) and `decoding_loop` (`d3d_decoding_loop="transformers"`):
+  switches of the bundle's own code, offered here so that they run only where the library that measures them is
+  installed (`ablation`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 
+import torch
 from torch import nn
 
 from .modeling import fast_paths_d3d
@@ -95,10 +99,39 @@ def without_draft_passes(policy, key: str):
     return twin
 
 
+_EXECUTORS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+
+
+def cpu_worker(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The worker thread that runs packed passes on CPU (`d3d_async=True` there; `d3d_worker_threads`) with `threads`
+    torch intra-op threads (torch ops release the GIL); one per thread count, created once
+    (`runtime_d3d.PackedPassWorker` submits to it).
+
+    torch's thread count is per OS thread once a thread has run torch ops, but `torch.set_num_threads` also sets the
+    default that threads created later start with. So the new worker sets its own count first, and the caller, once
+    that is done, sets its own (unchanged) count again, which puts the default back; no pass changes it afterwards.
+    """
+    if threads not in _EXECUTORS:
+        executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"d3d-packed-draft-{threads}"
+        )
+        executor.submit(_set_worker_threads, threads).result()
+        torch.set_num_threads(torch.get_num_threads())
+        _EXECUTORS[threads] = executor
+    return _EXECUTORS[threads]
+
+
+def _set_worker_threads(threads: int) -> None:
+    # torch initialises a thread's count from the process default on the thread's first parallel op; doing that
+    # before setting it keeps the later reset of the default (by the caller) from overriding this thread's count
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+
 def ablation() -> bool:
     """The entry of an option that only switches the bundle's own code (`d3d_share_target_cache=False`,
-    `d3d_decoding_loop="transformers"`, `d3d_worker_threads`): its presence is what the bundle asks for."""
+    `d3d_decoding_loop="transformers"`): its presence is what the bundle asks for."""
     return True
 
 
-__all__ = ["ablation", "route_target_linears", "target_matmul_layouts", "without_draft_passes"]
+__all__ = ["ablation", "cpu_worker", "route_target_linears", "target_matmul_layouts", "without_draft_passes"]
