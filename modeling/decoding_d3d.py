@@ -29,8 +29,8 @@ import torch
 from transformers.generation import GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from . import fast_paths_d3d
 from .batched_decoding_d3d import batched_assisted_decoding
+from .fast_paths_d3d import matmul_layouts
 from .options_d3d import call_options, experiment
 from .patches_d3d import apply_fast_paths
 from .prompt_masks_d3d import needs_batched_loop
@@ -338,7 +338,7 @@ def install_decoding_hook() -> None:
             own_loop = options.decoding_loop != "transformers"
             with apply_fast_paths(assistant, self if own_loop else None) as patches:
                 if options.target_matmul_layouts:
-                    experiment("target_matmul_layouts")(patches, self, fast_paths_d3d.MATMUL_LAYOUTS)
+                    experiment("target_matmul_layouts")(patches, self, matmul_layouts())
                 return _decode(self, options, current, input_ids, logits_processor, stopping_criteria,
                                generation_config, *args, **kwargs)  # fmt: skip
         return current(self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs)

@@ -387,6 +387,11 @@ MATMUL_LAYOUTS = MatmulLayouts()
 """The process's layout choices (a property of the machine, shared by every drafter)."""
 
 
+def matmul_layouts() -> MatmulLayouts:
+    """The process's `MATMUL_LAYOUTS` (read when called)."""
+    return MATMUL_LAYOUTS
+
+
 def layout_mark() -> LayoutMark:
     """`MATMUL_LAYOUTS.mark()`: the one query of whether the process's matmul layouts were still being timed over
     a stretch of work (`mark.timed()`, `mark.learned(seconds)` at its end)."""
@@ -394,7 +399,17 @@ def layout_mark() -> LayoutMark:
 
 
 GQA_SDPA = "d3d_gqa_sdpa"
-"""The name under which `patches_d3d.switch_attention` registers `gqa_sdpa_attention_forward` with transformers."""
+"""The name under which `register_gqa_sdpa` registers `gqa_sdpa_attention_forward` with transformers."""
+
+
+def register_gqa_sdpa() -> None:
+    """Registers `gqa_sdpa_attention_forward` with transformers' `AttentionInterface` (and the `"sdpa"` mask function
+    with its `AttentionMaskInterface`) as `GQA_SDPA` (`patches_d3d.switch_attention` does before switching)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention_forward)
+    AttentionMaskInterface.register(GQA_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 class FusedProjections:
@@ -644,5 +659,7 @@ __all__ = [
     "add_block_adapters",
     "gqa_sdpa_attention_forward",
     "layout_mark",
+    "matmul_layouts",
     "project",
+    "register_gqa_sdpa",
 ]

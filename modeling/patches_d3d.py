@@ -17,9 +17,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from . import fast_paths_d3d
 from .adapters_d3d import D3DLinear
-from .fast_paths_d3d import _SDPA_HAS_ENABLE_GQA, GQA_SDPA, project
+from .fast_paths_d3d import _SDPA_HAS_ENABLE_GQA, GQA_SDPA, matmul_layouts, project, register_gqa_sdpa
 
 
 class Patches:
@@ -75,9 +74,6 @@ def switch_attention(patches: Patches, model: nn.Module) -> bool:
     Returns:
         `bool`: whether the model's attention is on `GQA_SDPA` (switched now, or already).
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) == GQA_SDPA:  # already switched: whoever did restores it
         return True
@@ -95,8 +91,7 @@ def switch_attention(patches: Patches, model: nn.Module) -> bool:
         and parameter.device.type == "cpu"
     )
     if switch:
-        AttentionInterface.register(GQA_SDPA, fast_paths_d3d.gqa_sdpa_attention_forward)
-        AttentionMaskInterface.register(GQA_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+        register_gqa_sdpa()
         patches.set(config, "_attn_implementation", GQA_SDPA)
     return switch
 
@@ -199,7 +194,7 @@ def apply_fast_paths(drafter, target=None) -> Patches:
 
             def head_forward(x: torch.Tensor) -> torch.Tensor:
                 if settings.autotune_matmuls:
-                    return fast_paths_d3d.MATMUL_LAYOUTS.linear(x, head.weight, head.bias)
+                    return matmul_layouts().linear(x, head.weight, head.bias)
                 return nn.functional.linear(x, head.weight, head.bias)
 
             patches.set(head, "forward", head_forward)
