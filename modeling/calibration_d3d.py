@@ -519,7 +519,7 @@ def policy_for(
         "fused_projections": str(getattr(getattr(drafter, "model", None), "fused_projections", None)),
         "autotune_matmuls": str(getattr(getattr(drafter, "model", None), "autotune_matmuls", None)),
         "target_matmul_layouts": str(bool(target_matmul_layouts)),
-        # the target's attention function while calibrating (`fast_paths_d3d.target_gqa_attention` switches it)
+        # the target's attention function while calibrating (`patches_d3d.switch_attention` switches it)
         "target_attention": str(getattr(target.config, "_attn_implementation", None)),
     }
     key = calibration_key(**parts)

@@ -185,7 +185,7 @@ class D3DGenerationOptions:
         draft_passes (`bool`, default `True`; internal): `False` keeps the adaptive engine from drafting (plain
             steps and prompt-lookup rounds only, same calibration): what the drafter adds is `d3d` against this.
         target_matmul_layouts (`bool`, default `False`; internal): the target's 2-32 row verification forwards on
-            the faster matmul layout of the machine (`fast_paths_d3d.target_matmul_layouts`; CPU experiment).
+            the faster matmul layout of the machine (`d3d_hf.experiments.route_target_linears`; CPU experiment).
         explicit (`frozenset[str]`): the fields some source set (the others are defaults).
     """
 
