@@ -18,7 +18,8 @@ import torch
 from _common import add_timing_arguments, cache_view, emit, load_target_and_drafter, median_ms
 from d3d_hf.modeling.batched_decoding_d3d import RaggedSlots
 from d3d_hf.modeling.calibration_d3d import cpu_model
-from d3d_hf.modeling.fast_paths_d3d import GQA_SDPA, target_gqa_attention
+from d3d_hf.modeling.fast_paths_d3d import GQA_SDPA
+from d3d_hf.modeling.patches_d3d import apply_fast_paths, target_gqa_attention
 from transformers import DynamicCache
 
 BATCHES = (1, 4, 8)
@@ -85,7 +86,7 @@ def main() -> None:
     def measure(v) -> float:
         return draft(v[1], v[2]) if v[0] == "draft" else verify(1 if v[0] == "single" else v[1], v[2])
 
-    with target_gqa_attention(target):
+    with apply_fast_paths(drafter, target):  # the drafter's and the target's, as in `generate`
         ms = median_ms(variants, measure, args.repeats, warm_up=2)
 
     def single(q: int) -> float:

@@ -21,10 +21,10 @@ import time
 from contextlib import nullcontext
 
 import d3d_hf.modeling.fast_paths_d3d as fast_paths
-import d3d_hf.modeling.modeling_d3d as modeling_d3d
 import torch
 from _common import add_timing_arguments, emit, layout_table
 from d3d_hf.modeling.calibration_d3d import cpu_model
+from d3d_hf.modeling.patches_d3d import apply_fast_paths, target_gqa_attention
 
 from d3d_hf.costmodel import _prefilled_drafter_cache
 from d3d_hf.drafters import load_drafter
@@ -72,7 +72,6 @@ def main() -> None:
     drafter = load_drafter(args.drafter, dtype=args.dtype)
     drafter.attach_target_weights(target)
     fused_rule = fast_paths._fused_adapters_apply
-    gqa_attention = modeling_d3d.gqa_sdpa_attention_forward  # the drafter's: `D3DModel.forward` reads this name
     variants = ("target", "fused projections", "untuned", "fused adapters", "per-projection", "no adapters")
     if args.only_default:
         variants = variants[:2]
@@ -82,7 +81,8 @@ def main() -> None:
         variants = (*variants, "target gqa")
     times = {(v, q): [] for v in variants for q in ROWS}
     g = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
+    with torch.inference_mode(), apply_fast_paths(drafter):  # the drafter's fast paths, as in `generate`
+        gqa_attention = drafter.config._attn_implementation
         cache = _prefilled_drafter_cache(drafter, args.context, 16, g, target)
         target_cache = target(torch.randint(0, 49152, (1, args.context), generator=g), use_cache=True).cache
         for rep in range(args.repeats + WARMUP):
@@ -92,17 +92,18 @@ def main() -> None:
                 for variant in random.Random(rep * 100 + q).sample(variants, len(variants)):  # no fixed order
                     start = time.perf_counter()
                     if variant in ("target", "target gqa"):
-                        with fast_paths.target_gqa_attention(target) if variant == "target gqa" else nullcontext():
+                        with target_gqa_attention(target) if variant == "target gqa" else nullcontext():
                             target(input_ids=rows, cache=target_cache, use_cache=True)
                         elapsed = time.perf_counter() - start
                         target_cache.crop(-q)
                     else:
                         rank = drafter.config.block_lora_rank
                         default = variant in ("fused projections", "repeat-kv attention")
-                        drafter.model._fused_projections = default or variant == "untuned"  # kept built
+                        settings = drafter.model.fast_path_settings
+                        settings._fused_projections = default or variant == "untuned"  # kept built
                         drafter.model.autotune_matmuls = default or variant == "fused adapters"
                         if variant == "repeat-kv attention":
-                            modeling_d3d.gqa_sdpa_attention_forward = modeling_d3d.ALL_ATTENTION_FUNCTIONS["sdpa"]
+                            drafter.config._attn_implementation = "sdpa"
                         if variant == "no adapters":
                             drafter.config.block_lora_rank = 0
                         elif variant == "per-projection":
@@ -113,7 +114,7 @@ def main() -> None:
                         finally:
                             drafter.config.block_lora_rank = rank
                             fast_paths._fused_adapters_apply = fused_rule
-                            modeling_d3d.gqa_sdpa_attention_forward = gqa_attention
+                            drafter.config._attn_implementation = gqa_attention
                         cache.crop(args.context)
                     if rep >= WARMUP:
                         times[(variant, q)].append(elapsed)

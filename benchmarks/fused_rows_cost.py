@@ -19,8 +19,7 @@ import time
 import torch
 from _common import add_timing_arguments, cache_view, emit, load_target_and_drafter, median_ms
 from d3d_hf.modeling.calibration_d3d import cpu_model
-from d3d_hf.modeling.fast_paths_d3d import target_gqa_attention
-from d3d_hf.modeling.successor_d3d import block_rows_on_target
+from d3d_hf.modeling.patches_d3d import apply_fast_paths, block_rows_on_target
 from transformers import DynamicCache
 
 VERIFIED = (1, 4)
@@ -69,7 +68,7 @@ def main() -> None:
     def measure(v) -> float:
         return draft_pass(v[1]) if v[0] == "pass" else forward(v[1], v[2], v[3])
 
-    with target_gqa_attention(target):
+    with apply_fast_paths(drafter, target):  # the drafter's and the target's, as in `generate`
         ms = median_ms(variants, measure, args.repeats, warm_up=3)
     lines = [
         f"Fused block rows: {cpu_model()}, {args.dtype}, {args.threads} threads, {args.context} cached tokens, "

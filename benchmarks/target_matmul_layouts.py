@@ -1,7 +1,7 @@
 """What the target's verification forward costs under `d3d_target_matmul_layouts` (opt-in): SmolLM2-135M-Instruct's
 forward over q new rows (256 cached tokens) with `nn.Linear` as shipped, and inside
-`fast_paths_d3d.target_matmul_layouts` (every plain `nn.Linear` of the model, the LM head included, on `MatmulLayouts`
-for 2-32 rows), with how often the two agree on the argmax of random rows.
+`d3d_hf.experiments.target_matmul_layouts` (every plain `nn.Linear` of the model, the LM head included, on
+`MatmulLayouts` for 2-32 rows), with how often the two agree on the argmax of random rows.
 
 One process, the two variants interleaved in a shuffled order per repeat, medians. Run it alone on the machine:
 
@@ -19,9 +19,10 @@ import time
 import torch
 from _common import add_timing_arguments, emit, layout_table
 from d3d_hf.modeling.calibration_d3d import cpu_model
-from d3d_hf.modeling.fast_paths_d3d import MATMUL_LAYOUTS, target_matmul_layouts
+from d3d_hf.modeling.fast_paths_d3d import MATMUL_LAYOUTS
 from transformers import DynamicCache
 
+from d3d_hf.experiments import target_matmul_layouts
 from d3d_hf.targets import load_target
 
 ROWS = (1, 2, 4, 8, 16)

@@ -6,6 +6,7 @@ from .generation_d3d import D3DCandidateGenerator
 from .hooks_d3d import install_generation_hook, remove_generation_hook
 from .modeling_d3d import D3DForDiffusionDrafting, D3DModel, D3DPreTrainedModel
 from .options_d3d import D3DGenerationOptions
+from .patches_d3d import apply_fast_paths
 from .stats_d3d import D3DGenerationStats
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "D3DModel",
     "D3DPackedDraft",
     "D3DPreTrainedModel",
+    "apply_fast_paths",
     "install_generation_hook",
     "register_packed_attention_kernel",
     "remove_generation_hook",

@@ -2,7 +2,7 @@
 draft-block rows ("block LoRA"; d3d-hf docs/DESIGN.md section 8, lesson 3), and its training path.
 
 Part of the self-contained remote-code bundle: imports only torch. Its fused inference paths (`add_block_adapters`,
-`FusedProjections`) are in `fast_paths_d3d`.
+`FusedProjections`) are in `fast_paths_d3d`, applied from outside (`patches_d3d.apply_fast_paths`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ class D3DLinear(nn.Linear):
     Design choice (d3d-hf docs/DESIGN.md section 8, lesson 3): the committed context and the anchor go through
     the unmodified weights, so an adapted drafter keeps the source model's exact first-token prediction and a KV
     cache identical to the source model's, while the mask positions learn to denoise the block. `lora_B` starts
-    at zero, so a fresh adapter leaves the drafter unchanged. Outside autograd the decoder layers run the adapters
-    of projections that share an input together (`add_block_adapters`); this `forward` is the training path.
+    at zero, so a fresh adapter leaves the drafter unchanged. Outside autograd the fast paths run the adapters of
+    projections that share an input together (`add_block_adapters`, routed by `patches_d3d.apply_fast_paths`); this
+    `forward` is the plain path (training's).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, rank: int = 0, alpha: float = 16.0):

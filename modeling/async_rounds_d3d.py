@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .drafting_d3d import D3DCache
+from .options_d3d import experiment
 from .proposer_d3d import DraftProposer
 from .runtime_d3d import PackedPassWorker
 from .stats_d3d import D3DGenerationStats
@@ -67,7 +68,10 @@ class PackedSuccessorDrafting:
         self.max_length = max_length
         self.num_drafts = num_drafts
         self.device = drafter.model.embed_tokens.weight.device
-        self.worker = PackedPassWorker(self.device, worker_threads)
+        cpu_worker = None  # off CUDA the pass runs on a CPU worker thread: the library's experiment
+        if self.device.type != "cuda":
+            cpu_worker = experiment("worker_threads", "Asynchronous drafting on CPU (`d3d_async=True`)")
+        self.worker = PackedPassWorker(self.device, worker_threads, cpu_worker)
         self._pending_info = None  # launch info of the packed pass in flight
 
     def candidates(self, input_ids: torch.LongTensor, limit: int):

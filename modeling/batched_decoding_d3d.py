@@ -65,7 +65,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .drafting_d3d import D3DCache
-from .fast_paths_d3d import GQA_SDPA
+from .fast_paths_d3d import GQA_SDPA, layout_mark
 from .options_d3d import call_options, check_batch_options
 from .policy_d3d import SequenceState
 from .prompt_masks_d3d import check_prompt_mask, needs_batched_loop
@@ -375,7 +375,7 @@ class BatchedRounds:
         masked = torch.zeros_like(ids, dtype=torch.bool)
         masked[:, width:] = True
         allowed, positions, _ = slots.inputs([p + masks for p in pending], width + masks, tail=masks)
-        trials = passes.layout_trials()
+        mark = layout_mark()  # a pass that timed matmul layouts is not learned
         start = time.perf_counter()
         with torch.no_grad():
             logits = self.drafter(
@@ -389,7 +389,7 @@ class BatchedRounds:
             ).logits.float()
         seconds = time.perf_counter() - start
         self.draft_seconds = seconds
-        self._learn("draft", width + masks, seconds if passes.layout_trials() == trials else None)
+        self._learn("draft", width + masks, mark.learned(seconds))
         if not self.shared:
             cache.crop(slots.num_slots + width)
             slots.append(pending, width, pending)

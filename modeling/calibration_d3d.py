@@ -9,6 +9,7 @@ transformers API and the sibling `policy_d3d` (and, inside `measure_cost_curves`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -274,14 +275,14 @@ class CalibrationStore:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _median_seconds(fn, reset, repeats: int, sync, trials=None) -> float:
+def _median_seconds(fn, reset, repeats: int, sync, layout_mark=None) -> float:
     """The median time of `repeats` calls of `fn` after a warm-up call, and after more warm-up calls (at most 16)
-    while a call changes `trials()` (optional: a count of calls that timed alternatives, which change the cost)."""
+    while a call times alternative matmul layouts (optional `layout_mark`: `fast_paths_d3d.layout_mark`)."""
     for _ in range(17):
-        before = trials() if trials is not None else None
+        mark = layout_mark() if layout_mark is not None else None
         fn()  # warm-up
         reset()
-        if trials is None or trials() == before:
+        if mark is None or not mark.timed():
             break
     times = []
     for _ in range(repeats):
@@ -322,10 +323,11 @@ def measure_cost_curves(
       `q - 1` masks (`drafter.draft_logits(committed_ids, cache, num_masks=q - 1)`), cropping back after each.
 
     Each time is the median of `repeats` after one warm-up call (more until one runs on chosen matmul layouts only:
-    `D3DModel.matmul_layout_trials`, which counts the target's too under `d3d_target_matmul_layouts`), under
-    `torch.no_grad()` with both models in eval
-    mode (their previous modes are restored). On CUDA the device is synchronised around each call. A drafter that
-    shares its target's weights gets them attached first. Rows above the drafter's block size time a longer block.
+    `fast_paths_d3d.layout_mark`, which counts the target's too under `d3d_target_matmul_layouts`), under
+    `torch.no_grad()` with both models in eval mode (their previous modes are restored), the drafter on its fast
+    paths (`patches_d3d.apply_fast_paths`; the target's are the caller's, e.g. the `generate` call's). On CUDA the
+    device is synchronised around each call. A drafter that shares its target's weights gets them attached first.
+    Rows above the drafter's block size time a longer block.
 
     Args:
         target (`PreTrainedModel`): the causal LM to verify with.
@@ -349,6 +351,8 @@ def measure_cost_curves(
     from transformers import DynamicCache
 
     from .drafting_d3d import D3DCache  # deferred: no sibling import at module import time
+    from .fast_paths_d3d import layout_mark
+    from .patches_d3d import apply_fast_paths
 
     rows = sorted({CostCurve._check_rows(q) for q in rows})
     if not rows:
@@ -378,8 +382,10 @@ def measure_cost_curves(
     target.eval()
     drafter.eval()
     verify, draft = {}, {}
+    d3d_drafter = hasattr(getattr(drafter, "model", None), "fast_path_settings")
+    fast_paths = apply_fast_paths(drafter) if d3d_drafter else contextlib.nullcontext()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), fast_paths:
             cache = DynamicCache(config=target.config)
             target(input_ids=context.to(target_device), cache=cache, use_cache=True)
 
@@ -389,7 +395,7 @@ def measure_cost_curves(
                     cache.crop(-extra)
 
             # time draft passes once their matmul layouts are chosen (`D3DModel.autotune_matmuls`)
-            layout_trials = getattr(getattr(drafter, "model", None), "matmul_layout_trials", None)
+            layouts = layout_mark if d3d_drafter else None
             drafter_cache = D3DCache()
             drafter.draft_logits(context.to(drafter_device), drafter_cache, num_masks=0)
             for q in rows:
@@ -399,7 +405,7 @@ def measure_cost_curves(
                     crop_target,
                     repeats,
                     sync,
-                    layout_trials,  # the target's forwards too, under `d3d_target_matmul_layouts`
+                    layouts,  # the target's forwards too, under `d3d_target_matmul_layouts`
                 )
                 committed = random_ids(1).to(drafter_device)
                 draft[q] = _median_seconds(
@@ -407,7 +413,7 @@ def measure_cost_curves(
                     lambda: drafter_cache.crop(context_length),
                     repeats,
                     sync,
-                    layout_trials,
+                    layouts,
                 )
     finally:
         target.train(modes[0])
@@ -482,7 +488,7 @@ def policy_for(
     """The adaptive `DraftPolicy` of a (target, drafter) pair on this machine, dtype, threads and device.
 
     `target_matmul_layouts`: whether the target's forwards run on `MatmulLayouts` (`d3d_target_matmul_layouts`; the
-    caller opens `fast_paths_d3d.target_matmul_layouts` around this call and the decoding): another verification cost
+    caller routes the target through `d3d_hf.experiments` around this call and the decoding): another verification cost
     curve, so another key.
 
     One policy per `calibration_key` lives in memory for the process, so what it learns in one `generate` call
@@ -513,7 +519,7 @@ def policy_for(
         "fused_projections": str(getattr(getattr(drafter, "model", None), "fused_projections", None)),
         "autotune_matmuls": str(getattr(getattr(drafter, "model", None), "autotune_matmuls", None)),
         "target_matmul_layouts": str(bool(target_matmul_layouts)),
-        # the target's attention function while calibrating (`fast_paths_d3d.target_gqa_attention` switches it)
+        # the target's attention function while calibrating (`patches_d3d.switch_attention` switches it)
         "target_attention": str(getattr(target.config, "_attn_implementation", None)),
     }
     key = calibration_key(**parts)

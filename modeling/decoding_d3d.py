@@ -10,7 +10,9 @@ decoding method of its generation mode, `GenerationMixin._assisted_decoding` for
 `install_decoding_hook` wraps that one method (version-checked by its parameters, reversible with
 `remove_decoding_hook`): for a D3D assistant it runs `d3d_assisted_decoding` with exactly the arguments transformers
 prepared, so every `generate` argument keeps its meaning; every other assistant, and a D3D call with
-`d3d_decoding_loop="transformers"`, runs transformers' own method. transformers' public `custom_generate` route was
+`d3d_decoding_loop="transformers"`, runs transformers' own method. The wrapper is where a D3D call starts: it applies
+the call's fast paths there (`patches_d3d.apply_fast_paths`) and undoes them when the call ends. transformers'
+public `custom_generate` route was
 not used: it needs an argument on every call (`target.generate(..., custom_generate=...)`), which the user's plain
 `assistant_model=drafter` call does not have, and a callable there replaces the assistant and streamer arguments with
 its own.
@@ -28,7 +30,9 @@ from transformers.generation import GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batched_decoding_d3d import batched_assisted_decoding
-from .options_d3d import call_options
+from .fast_paths_d3d import matmul_layouts
+from .options_d3d import call_options, experiment
+from .patches_d3d import apply_fast_paths
 from .prompt_masks_d3d import needs_batched_loop
 from .tree_d3d import check_tree_cache, keep_cache_path, tree_attention_inputs
 from .verifier_d3d import accept_chain, accept_tree, cut_committed, process_rows
@@ -149,7 +153,7 @@ def d3d_assisted_decoding(
     eos_ids = set() if eos is None else {int(t) for t in eos.flatten().tolist()}
     compute_dtype = next(target.parameters()).dtype
     device = target.device
-    # the target's copy-free GQA attention, its matmul layouts under `d3d_target_matmul_layouts`, the shared cache
+    # the shared cache, the call's noise and fused drafting (the fast paths were applied where the call started)
     with generator.own_loop(target, cache) as tree_rounds:
         tree_mode = tree_rounds is not None
         noise = generator.proposer.noise  # `GumbelNoise` under drafter-invariant sampling, else None
@@ -281,37 +285,50 @@ def install_decoding_hook() -> None:
         assistant = kwargs.get("assistant_model")
         if getattr(assistant, "build_candidate_generator", None) is not None:
             options = call_options(generation_config, assistant, keep=True)  # resolved by the call's first check
-            loop, budget = options.decoding_loop, options.tree_budget
-            # several sequences, or padding: D3D's batched loop (one padded prompt may also run transformers' loop)
-            if needs_batched_loop(input_ids, kwargs.get("attention_mask")) and (
-                loop != "transformers" or input_ids.shape[0] > 1
-            ):
-                return batched_assisted_decoding(
-                    self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs
-                )
-            if loop != "transformers":
-                model_kwargs = {k: v for k, v in kwargs.items() if k not in _LOOP_ARGUMENTS}
-                blocker = own_loop_blocker(self, generation_config, bool(kwargs.get("synced_gpus")), model_kwargs)
-                if blocker is None:
-                    return d3d_assisted_decoding(
-                        self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs
-                    )
-                if options.fused_drafting is True:
-                    raise ValueError(
-                        f"Fused successor drafting (`d3d_fused_drafting=True`) runs in D3D's own decoding loop, which "
-                        f"cannot take this call: {blocker}. Drop that argument, or the option."
-                    )
-                if budget is not None:
-                    raise ValueError(
-                        f"Tree verification (`d3d_tree_budget={budget!r}`) runs in D3D's own decoding loop, which "
-                        f"cannot take this call: {blocker}. Drop that argument, or set `d3d_tree_budget=None` (chain "
-                        "verification in transformers' loop)."
-                    )
+            # where the call starts: its fast paths (the drafter's; the target's attention in D3D's own loop, and
+            # its matmul layouts under the `d3d_target_matmul_layouts` experiment), undone when it ends
+            own_loop = options.decoding_loop != "transformers"
+            with apply_fast_paths(assistant, self if own_loop else None) as patches:
+                if options.target_matmul_layouts:
+                    experiment("target_matmul_layouts")(patches, self, matmul_layouts())
+                return _decode(self, options, current, input_ids, logits_processor, stopping_criteria,
+                               generation_config, *args, **kwargs)  # fmt: skip
         return current(self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs)
 
     setattr(_assisted_decoding, _HOOK_ATTRIBUTE, True)
     _assisted_decoding._d3d_original = current
     GenerationMixin._assisted_decoding = _assisted_decoding
+
+
+def _decode(self, options, current, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs):
+    """The loop that decodes a D3D assistant's call: D3D's batched loop, its own loop, or transformers' (`current`)."""
+    loop, budget = options.decoding_loop, options.tree_budget
+    # several sequences, or padding: D3D's batched loop (one padded prompt may also run transformers' loop)
+    if needs_batched_loop(input_ids, kwargs.get("attention_mask")) and (
+        loop != "transformers" or input_ids.shape[0] > 1
+    ):
+        return batched_assisted_decoding(
+            self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs
+        )
+    if loop != "transformers":
+        model_kwargs = {k: v for k, v in kwargs.items() if k not in _LOOP_ARGUMENTS}
+        blocker = own_loop_blocker(self, generation_config, bool(kwargs.get("synced_gpus")), model_kwargs)
+        if blocker is None:
+            return d3d_assisted_decoding(
+                self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs
+            )
+        if options.fused_drafting is True:
+            raise ValueError(
+                f"Fused successor drafting (`d3d_fused_drafting=True`) runs in D3D's own decoding loop, which "
+                f"cannot take this call: {blocker}. Drop that argument, or the option."
+            )
+        if budget is not None:
+            raise ValueError(
+                f"Tree verification (`d3d_tree_budget={budget!r}`) runs in D3D's own decoding loop, which "
+                f"cannot take this call: {blocker}. Drop that argument, or set `d3d_tree_budget=None` (chain "
+                "verification in transformers' loop)."
+            )
+    return current(self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs)
 
 
 #: `_assisted_decoding` arguments that are not model keyword arguments

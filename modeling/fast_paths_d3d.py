@@ -1,13 +1,16 @@
 """How a CPU runs the draft passes' (and the target's verifications') linears and attention fast, with the same
 values as the plain path (d3d-hf issue 14; measured in benchmarks/results/engine/draft_pass.md):
 
-- attention: `gqa_sdpa_attention_forward` (grouped-query SDPA without copying keys/values per query head), and
-  `target_gqa_attention`, which runs a transformers target's attention on it;
+- attention: `gqa_sdpa_attention_forward` (grouped-query SDPA without copying keys/values per query head), registered
+  with transformers as `GQA_SDPA` when a model is switched to it (`patches_d3d.switch_attention`);
 - matmuls: `MatmulLayouts` (the process-wide `MATMUL_LAYOUTS`) times equivalent layouts of `x W^T` per shape and
-  row count and keeps the fastest; `target_matmul_layouts` routes a target's `nn.Linear` modules through it;
+  row count and keeps the fastest; `MatmulLayouts.mark` answers whether any matmul was timed since;
 - projections: `project` runs the projections of a layer that read the same input by the cheapest path that applies
   (`FusedProjections`, `add_block_adapters`, or each `D3DLinear` itself) on the `BlockRows` of a forward;
-- `FastPathSettings`: `D3DModel`'s switches of these paths (`autotune_matmuls`, `fused_projections`).
+- `FastPathSettings`: a drafter's switches of these paths (`autotune_matmuls`, `fused_projections`) and the derived
+  weights they hold (`D3DModel.fast_path_settings`; `D3DModel`'s properties of the same names forward to it).
+
+The model's layers call plain linears; `patches_d3d.apply_fast_paths` routes them through these paths from outside.
 
 Part of the self-contained remote-code bundle: imports only the Python standard library, torch, the public
 transformers API and the block adapter (`adapters_d3d`).
@@ -15,7 +18,6 @@ transformers API and the block adapter (`adapters_d3d`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
@@ -121,6 +123,13 @@ class BlockRows:
             if bool((counts == count).all()) and bool(block_positions[:, seq_len - count :].all()):
                 start = seq_len - count
         return cls(gate, start, fused, layouts)
+
+    @classmethod
+    def of_gate(cls, gate: torch.Tensor, fused: bool = False, layouts: MatmulLayouts | None = None) -> BlockRows:
+        """`of` for the gate a forward hands its projections (`(batch_size, seq_len, 1)`, 1 at block rows)."""
+        rows = cls.of(gate[..., 0] != 0, gate.dtype, fused, layouts)
+        rows.gate = gate
+        return rows
 
 
 def add_block_adapters(
@@ -309,6 +318,11 @@ class MatmulLayouts:
         chosen layouts)."""
         return self._timed_calls
 
+    def mark(self) -> LayoutMark:
+        """A mark in this object's timing: `mark.timed()` says whether any matmul was timed since (a forward that
+        timed candidate layouts ran some matmuls slower than it will from then on, so its time is not learned)."""
+        return LayoutMark(self, self._timed_calls)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`x W^T + b` (`nn.functional.linear`'s values) by the layout chosen for this key, timing the candidates
         while none is chosen.
@@ -353,102 +367,49 @@ class MatmulLayouts:
         return out.view(*x.shape[:-1], weight.shape[0])
 
 
+@dataclass(frozen=True)
+class LayoutMark:
+    """A point in a `MatmulLayouts`' timing (`MatmulLayouts.mark`)."""
+
+    layouts: MatmulLayouts
+    calls: int
+
+    def timed(self) -> bool:
+        """Whether a matmul was timed (ran on a candidate layout) since the mark."""
+        return self.layouts.timed_calls != self.calls
+
+    def learned(self, seconds: float | None) -> float | None:
+        """`seconds` of what ran since the mark, or `None` when it timed candidate layouts (not to be learned)."""
+        return None if self.timed() else seconds
+
+
 MATMUL_LAYOUTS = MatmulLayouts()
 """The process's layout choices (a property of the machine, shared by every drafter)."""
 
 
-def _linear_on_layouts(module: nn.Linear, min_rows: int, x: torch.Tensor) -> torch.Tensor:
-    if x.numel() < min_rows * x.shape[-1]:  # fewer rows: `nn.Linear`'s own call
-        return nn.functional.linear(x, module.weight, module.bias)
-    return MATMUL_LAYOUTS.linear(x, module.weight, module.bias)
+def matmul_layouts() -> MatmulLayouts:
+    """The process's `MATMUL_LAYOUTS` (read when called)."""
+    return MATMUL_LAYOUTS
+
+
+def layout_mark() -> LayoutMark:
+    """`MATMUL_LAYOUTS.mark()`: the one query of whether the process's matmul layouts were still being timed over
+    a stretch of work (`mark.timed()`, `mark.learned(seconds)` at its end)."""
+    return MATMUL_LAYOUTS.mark()
 
 
 GQA_SDPA = "d3d_gqa_sdpa"
-"""The name under which `target_gqa_attention` registers `gqa_sdpa_attention_forward` with transformers."""
+"""The name under which `register_gqa_sdpa` registers `gqa_sdpa_attention_forward` with transformers."""
 
 
-@contextlib.contextmanager
-def target_gqa_attention(model: nn.Module):
-    r"""While open, a transformers `model` on CPU whose attention is `"sdpa"` with grouped-query attention runs its
-    attention on `gqa_sdpa_attention_forward` (registered with transformers' `AttentionInterface` and
-    `AttentionMaskInterface` as `GQA_SDPA`, with the `"sdpa"` mask function): its forwards of more than one row
-    outside autograd (D3D's verifications) no longer copy each layer's cached keys and values per query head, with
-    bit-identical outputs; everything else runs transformers' own `"sdpa"` function. D3D's own decoding loop opens
-    it around the target's forwards (d3d-hf issue 14). The model's `config._attn_implementation` is set to
-    `GQA_SDPA` while the context is open and restored when it closes, also on an exception. Other models, and
-    models whose config has sub-configs (e.g. multimodal ones), are left alone.
-
-    Args:
-        model (`nn.Module`): the target.
-
-    Yields:
-        `bool`: whether the attention was switched (CPU, `"sdpa"`, fewer key/value heads than query heads, a torch
-        with `enable_gqa`, a config without sub-configs).
-    """
+def register_gqa_sdpa() -> None:
+    """Registers `gqa_sdpa_attention_forward` with transformers' `AttentionInterface` (and the `"sdpa"` mask function
+    with its `AttentionMaskInterface`) as `GQA_SDPA` (`patches_d3d.switch_attention` does before switching)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) == GQA_SDPA:  # opened around this one: the outer one restores
-        yield True
-        return
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    parameter = next(iter(model.parameters()), None)
-    switch = (
-        _SDPA_HAS_ENABLE_GQA
-        and getattr(config, "_attn_implementation", None) == "sdpa"
-        and not getattr(config, "sub_configs", None)
-        and isinstance(heads, int)
-        and isinstance(kv_heads, int)
-        and kv_heads < heads
-        and parameter is not None
-        and parameter.device.type == "cpu"
-    )
-    if not switch:
-        yield False
-        return
     AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention_forward)
     AttentionMaskInterface.register(GQA_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    config._attn_implementation = GQA_SDPA
-    try:
-        yield True
-    finally:
-        config._attn_implementation = "sdpa"
-
-
-@contextlib.contextmanager
-def target_matmul_layouts(model: nn.Module, min_rows: int = 2):
-    r"""While open, every plain `nn.Linear` of `model` (a target; the LM head included) runs its forwards of
-    `min_rows` to `MatmulLayouts.max_rows` rows outside autograd on CPU through `MATMUL_LAYOUTS` (the faster of
-    `x W^T` and `(W x^T)^T` on this machine): D3D's opt-in `d3d_target_matmul_layouts` for the target's verification
-    forwards (d3d-hf issue 14; docs/DESIGN.md section 9 names the multi-row float32 penalty of the default kernel).
-
-    Forwards of fewer rows (one-row decoding steps: default 2) and of more rows (the prompt's prefill) keep
-    `nn.Linear`'s call, so a plain target step computes exactly what target-only decoding computes. A verification
-    forward may round differently from `nn.Linear`'s multi-row kernel, as that one already rounds differently from
-    the one-row kernel of target-only decoding; greedy output stays the target's own unless two logits tie within
-    float rounding (checked on the bench prompts: docs/RESULTS.md, "The draft pass"). Modules that already have an
-    instance-level `forward` (e.g. accelerate's hooks) and subclasses of `nn.Linear` (e.g. PEFT's or quantised
-    layers) are left alone. The modules are restored when the context closes, also on an exception.
-
-    Args:
-        model (`nn.Module`): the model whose linears to route.
-        min_rows (`int`, defaults to 2): the fewest rows that use `MATMUL_LAYOUTS`.
-
-    Yields:
-        `list[nn.Linear]`: the modules routed.
-    """
-    routed = []
-    try:
-        for module in model.modules():
-            if type(module) is nn.Linear and "forward" not in module.__dict__:
-                module.forward = functools.partial(_linear_on_layouts, module, min_rows)
-                routed.append(module)
-        yield routed
-    finally:
-        for module in routed:
-            module.__dict__.pop("forward", None)
 
 
 class FusedProjections:
@@ -533,7 +494,7 @@ def project(projections: list[nn.Module], x: torch.Tensor, rows: BlockRows | Non
         layouts = rows.layouts if rows is not None else None
         if not adapted and layouts is not None and all(type(p) is D3DLinear for p in projections):
             return [layouts.linear(x, proj.weight, proj.bias) for proj in projections]
-        return [proj(x, gate, x * gate if adapted else None) for proj in projections]
+        return [_own_forward(proj)(x, gate, x * gate if adapted else None) for proj in projections]
     if rows.fused and (rows.start is None or rows.start < x.shape[1]):  # not for a pass without block rows
         key = _weights_key(projections, x)
         fused = cache.get("fused_projections")
@@ -544,9 +505,17 @@ def project(projections: list[nn.Module], x: torch.Tensor, rows: BlockRows | Non
     if rows.layouts is not None:
         outputs = [rows.layouts.linear(x, proj.weight, proj.bias) for proj in projections]
     else:
-        outputs = [proj(x) for proj in projections]
+        outputs = [_own_forward(proj)(x) for proj in projections]
     add_block_adapters(projections, x, outputs, rows, cache)
     return outputs
+
+
+def _own_forward(module: nn.Module) -> Callable:
+    """How `project` calls a projection itself: its class's `forward` when an instance-level one routes it through
+    `project` (`patches_d3d.route_projection_groups`), else the module (its hooks included)."""
+    if "forward" in module.__dict__:
+        return functools.partial(type(module).forward, module)
+    return module
 
 
 def _fused_adapters_apply(projections: list[nn.Module], rows: BlockRows | None) -> bool:
@@ -564,10 +533,17 @@ def _fused_adapters_apply(projections: list[nn.Module], rows: BlockRows | None) 
 
 
 class FastPathSettings:
-    """`D3DModel`'s switches of the fast paths above (not saved): `autotune_matmuls` (`MatmulLayouts`) and
-    `fused_projections` (`FusedProjections`), what they hold, and the `BlockRows` of each forward. A mixin of
-    `D3DModel` (it reads the model's `embed_tokens`, `layers` and submodules), kept with the machinery it switches.
+    """A drafter's switches of the fast paths above and what they hold (not saved): `autotune_matmuls`
+    (`MatmulLayouts`), `fused_projections` (`FusedProjections`) and the derived weights of each projection group
+    (`group_cache`). `D3DModel.fast_path_settings` holds one; `D3DModel`'s properties of the same names forward to it,
+    and `patches_d3d.apply_fast_paths` reads it for every forward it routes (`block_rows`).
     """
+
+    def __init__(self) -> None:
+        self._autotune_matmuls = True
+        self._fused_projections: str | bool = "auto"
+        self.caches: dict[str, dict] = {}  # projection group (module path) -> its derived weights (`project`)
+        self._auto_fused_decision = None
 
     @property
     def autotune_matmuls(self) -> bool:
@@ -579,7 +555,7 @@ class FastPathSettings:
         every weight whose shape chose the packed layout is held in memory (`MATMUL_LAYOUTS.packed_bytes`; about
         the size of the drafter's fused weights plus its LM head). `False` runs `nn.functional.linear` everywhere,
         e.g. for bit-reproducible drafts across processes (the layouts round differently and are chosen by timing),
-        or to hold no packed copies.
+        or to hold no packed copies (`set_autotune_matmuls` frees the model's).
 
         Raises:
             ValueError: (on assignment) for a value that is not a `bool`.
@@ -591,18 +567,18 @@ class FastPathSettings:
         if not isinstance(value, bool):
             raise ValueError(f"`autotune_matmuls` must be True or False, got {value!r}.")
         self._autotune_matmuls = value
-        if value is False:  # free this model's packed weight copies
-            fused = [c["fused_projections"][1] for c in self._projection_caches() if "fused_projections" in c]
-            weights = [*self.parameters(), *(f.weight for f in fused)]
-            owner = self.__dict__.get("_output_embeddings")
+
+    def set_autotune_matmuls(self, value: bool, model: nn.Module) -> None:
+        """Sets `autotune_matmuls`; `False` also frees the packed copies of `model`'s weights (a `D3DModel`), its
+        LM head's (the drafter's, whose `_output_embeddings` it is) and the fused weights built so far."""
+        self.autotune_matmuls = value
+        if value is False:
+            weights = [*model.parameters()]
+            weights += [c["fused_projections"][1].weight for c in self.caches.values() if "fused_projections" in c]
+            owner = model.__dict__.get("_output_embeddings")
             if owner is not None and owner() is not None:  # the LM head (the target's, once attached)
                 weights.append(owner().lm_head.weight)
             MATMUL_LAYOUTS.release_packed(weights)
-
-    def matmul_layout_trials(self) -> int:
-        """`MatmulLayouts.timed_calls` of the layouts this model runs on: a forward that leaves it unchanged ran on
-        chosen layouts only, so timing code (`calibration_d3d.measure_cost_curves`) warms up until one does."""
-        return MATMUL_LAYOUTS.timed_calls
 
     @property
     def fused_projections(self) -> str | bool:
@@ -627,28 +603,29 @@ class FastPathSettings:
             raise ValueError(f"`fused_projections` must be 'auto', True or False, got {value!r}.")
         self._fused_projections = value
         if value is False:
-            for cache in self._projection_caches():
+            for cache in self.caches.values():
                 cache.pop("fused_projections", None)
 
-    def _projection_caches(self):
-        """The per-group caches of derived weights (`project`) of every attention and MLP block."""
-        for module in self.modules():
-            for cache in (getattr(module, "_adapter_cache", None), getattr(module, "_out_adapter_cache", None)):
-                if cache is not None:
-                    yield cache
+    def group_cache(self, name: str) -> dict:
+        """The store of derived weights of the projection group `name` (`project`'s `cache`)."""
+        return self.caches.setdefault(name, {})
 
-    def _auto_fused(self, device: torch.device) -> bool:
-        """`fused_projections="auto"`'s rule: CPU, and the copies it may add at most 10% of physical memory: the
-        fused weights (the layers' size), and with `autotune_matmuls` in a dtype that has the packed layout
-        (`MatmulLayouts.candidates`), a packed copy of them too."""
+    def fused_projections_bytes(self) -> int:
+        """Bytes held by the fused projection weights built so far (0 when none)."""
+        return sum(c["fused_projections"][1].memory_bytes for c in self.caches.values() if "fused_projections" in c)
+
+    def auto_fused(self, model: nn.Module, device: torch.device) -> bool:
+        """`fused_projections="auto"`'s rule for `model` (a `D3DModel`): CPU, and the copies it may add at most 10%
+        of physical memory: the fused weights (the layers' size), and with `autotune_matmuls` in a dtype that has
+        the packed layout (`MatmulLayouts.candidates`), a packed copy of them too."""
         if device.type != "cpu":
             return False
-        dtype = self.embed_tokens.weight.dtype
-        key = (len(self.layers), dtype, self.autotune_matmuls)  # the decision is cached: this runs every forward
-        cached = self.__dict__.get("_auto_fused_decision")
+        dtype = model.embed_tokens.weight.dtype
+        key = (len(model.layers), dtype, self.autotune_matmuls)  # the decision is cached: this runs every forward
+        cached = self._auto_fused_decision
         if cached is not None and cached[0] == key:
             return cached[1]
-        layer_bytes = sum(p.numel() * p.element_size() for p in self.layers.parameters())
+        layer_bytes = sum(p.numel() * p.element_size() for p in model.layers.parameters())
         try:
             memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (AttributeError, OSError, ValueError):  # not a POSIX system: assume it fits
@@ -657,29 +634,18 @@ class FastPathSettings:
         self._auto_fused_decision = (key, copies * layer_bytes <= 0.1 * memory)
         return self._auto_fused_decision[1]
 
-    def fused_projections_bytes(self) -> int:
-        """Bytes held by the fused projection weights built so far (0 when none)."""
-        caches = self._projection_caches()
-        return sum(c["fused_projections"][1].memory_bytes for c in caches if "fused_projections" in c)
-
-    def _block_rows(
-        self, block_positions: torch.BoolTensor | None, dtype: torch.dtype, device: torch.device
-    ) -> BlockRows | None:
-        """The `BlockRows` of one forward (`project`): the matmul layouts outside autograd with `autotune_matmuls`,
-        and with block adapters, the rows of `block_positions` (fused per `fused_projections`); `None`: every
-        projection runs its own `forward`."""
+    def block_rows(self, model: nn.Module, gate: torch.Tensor | None, device: torch.device) -> BlockRows | None:
+        """The `BlockRows` of one forward of `model` whose projections get `gate` (`None`: no block rows): the
+        matmul layouts outside autograd with `autotune_matmuls`, and with block adapters, the gate's rows (fused per
+        `fused_projections`); `None`: every projection runs its own `forward`."""
         layouts = MATMUL_LAYOUTS if self.autotune_matmuls and not torch.is_grad_enabled() else None
         block_rows = None if layouts is None else BlockRows(gate=None, layouts=layouts)
-        if self.config.block_lora_rank > 0 and block_positions is not None:
-            fused = self.fused_projections is True or (self.fused_projections == "auto" and self._auto_fused(device))
-            block_rows = BlockRows.of(block_positions, dtype, fused and not torch.is_grad_enabled(), layouts)
+        if model.config.block_lora_rank > 0 and gate is not None:
+            fused = self.fused_projections is True or (
+                self.fused_projections == "auto" and self.auto_fused(model, device)
+            )
+            block_rows = BlockRows.of_gate(gate, fused and not torch.is_grad_enabled(), layouts)
         return block_rows
-
-    def _lm_head_logits(self, lm_head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`lm_head(hidden_states)`, on `MATMUL_LAYOUTS` with `autotune_matmuls` (the drafter's LM head)."""
-        if self.autotune_matmuls and type(lm_head) is nn.Linear:  # not a wrapped (e.g. PEFT) head
-            return MATMUL_LAYOUTS.linear(hidden_states, lm_head.weight, lm_head.bias)
-        return lm_head(hidden_states)
 
 
 __all__ = [
@@ -688,10 +654,12 @@ __all__ = [
     "BlockRows",
     "FastPathSettings",
     "FusedProjections",
+    "LayoutMark",
     "MatmulLayouts",
     "add_block_adapters",
     "gqa_sdpa_attention_forward",
+    "layout_mark",
+    "matmul_layouts",
     "project",
-    "target_gqa_attention",
-    "target_matmul_layouts",
+    "register_gqa_sdpa",
 ]

@@ -18,9 +18,10 @@ from transformers import PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .async_rounds_d3d import PackedSuccessorDrafting
+from .fast_paths_d3d import GQA_SDPA
 from .hooks_d3d import check_prompt_and_drafter
 from .options_d3d import D3DGenerationOptions, call_options, check_batch_options
-from .planner_d3d import DraftPasses, RoundPlanner, target_forward_context
+from .planner_d3d import DraftPasses, RoundPlanner
 from .proposer_d3d import DraftProposer
 from .runtime_d3d import RoundClock
 from .sampling_d3d import GumbelNoise
@@ -218,8 +219,9 @@ class D3DCandidateGenerator(CandidateGenerator):
         """Entered by D3D's own decoding loop around its rounds: shares the target's `cache` with the draft passes
         when the drafter computes the same keys and values (`d3d_share_target_cache`; a `DynamicCache` of full
         layers), draws the call's Gumbel noise under drafter-invariant sampling (`d3d_sampling="invariant"` with
-        `do_sample=True`: one draw from torch's default generator), runs the target's forwards in their context
-        (`planner_d3d.target_forward_context`) and yields the call's `TreeRounds` (`None` for chain rounds).
+        `do_sample=True`: one draw from torch's default generator), records whether the target's attention runs on
+        the copy-free GQA function (`patches_d3d.apply_fast_paths`) and yields the call's `TreeRounds` (`None` for
+        chain rounds).
         `batched=True`: the batched loop (`batched_decoding_d3d`) drives the rounds, without fused drafting."""
         self.stats.decoding_loop = "d3d"
         self.batched = batched
@@ -232,9 +234,11 @@ class D3DCandidateGenerator(CandidateGenerator):
             self.passes.share_target_cache(cache)
             self.stats.shared_target_cache = True
         self._resolve_fused_drafting(target)
-        with target_forward_context(target, self.options) as switched:
-            self.stats.target_gqa_attention = switched
-            yield self.tree
+        # the fast paths were applied where the call started (`decoding_d3d`'s wrapper: `apply_fast_paths`)
+        self.stats.target_gqa_attention = (
+            getattr(getattr(target, "config", None), "_attn_implementation", None) == GQA_SDPA
+        )
+        yield self.tree
 
     def _resolve_fused_drafting(self, target) -> None:
         """Sets `self.successors` when this call drafts inside its verifications (`d3d_fused_drafting`, resolved

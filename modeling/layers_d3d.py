@@ -1,6 +1,7 @@
 """The layers of the D3D decoder stack, identical in layout to Llama/Qwen3 decoder layers: RoPE, the reference
 (eager) attention and the packed-kernel attention function, RMSNorm, the mask embedding, attention, SwiGLU MLP and
-the decoder layer (their projections are `D3DLinear`s, run through `fast_paths_d3d.project`).
+the decoder layer. Their projections are `D3DLinear`s called one by one with the forward's block gate (the plain
+path, which training runs); `patches_d3d.apply_fast_paths` routes them through `fast_paths_d3d` from outside.
 
 Part of the self-contained remote-code bundle: imports only torch, the public transformers API and its siblings.
 
@@ -20,7 +21,6 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from .adapters_d3d import D3DLinear
 from .configuration_d3d import D3DConfig
 from .drafting_d3d import D3DCache
-from .fast_paths_d3d import BlockRows, project
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -166,7 +166,6 @@ class D3DAttention(nn.Module):
         if config.use_qk_norm:
             self.q_norm = D3DRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = D3DRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self._adapter_cache, self._out_adapter_cache = {}, {}  # derived weights of each group (`project`)
 
     def forward(
         self,
@@ -174,16 +173,18 @@ class D3DAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor,
         past_key_values: D3DCache | None = None,
-        block_rows: BlockRows | None = None,
+        block_gate: torch.Tensor | None = None,
         attention_interface: Callable = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`attention_interface` is the attention function `D3DModel.forward` chose for this forward (transformers'
-        signature: `(module, query, key, value, attention_mask, scaling=..., dropout=...)` -> `(output [B, T, H, D],
-        weights or None)`); `eager_attention_forward` when `None`."""
+        """`block_gate` (`(batch_size, seq_len, 1)`, 1 at draft-block rows, *optional*) is where the projections'
+        block adapters apply (`D3DLinear`). `attention_interface` is the attention function `D3DModel.forward` chose
+        for this forward (transformers' signature: `(module, query, key, value, attention_mask, scaling=...,
+        dropout=...)` -> `(output [B, T, H, D], weights or None)`); `eager_attention_forward` when `None`."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        outputs = project([self.q_proj, self.k_proj, self.v_proj], hidden_states, block_rows, self._adapter_cache)
-        query_states, key_states, value_states = (o.view(hidden_shape) for o in outputs)
+        query_states = self.q_proj(hidden_states, block_gate).view(hidden_shape)
+        key_states = self.k_proj(hidden_states, block_gate).view(hidden_shape)
+        value_states = self.v_proj(hidden_states, block_gate).view(hidden_shape)
         if self.config.use_qk_norm:
             query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
         query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
@@ -206,7 +207,7 @@ class D3DAttention(nn.Module):
             is_causal=False,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return project([self.o_proj], attn_output, block_rows, self._out_adapter_cache)[0], attn_weights
+        return self.o_proj(attn_output, block_gate), attn_weights
 
 
 class D3DMLP(nn.Module):
@@ -219,12 +220,10 @@ class D3DMLP(nn.Module):
         self.up_proj = _projection(config, "up_proj", hidden, inner, bias)
         self.down_proj = _projection(config, "down_proj", inner, hidden, bias)
         self.act_fn = ACT2FN[config.hidden_act]
-        self._adapter_cache, self._out_adapter_cache = {}, {}  # derived weights of each group (`project`)
 
-    def forward(self, x: torch.Tensor, block_rows: BlockRows | None = None) -> torch.Tensor:
-        gate_out, up_out = project([self.gate_proj, self.up_proj], x, block_rows, self._adapter_cache)
-        hidden = self.act_fn(gate_out) * up_out
-        return project([self.down_proj], hidden, block_rows, self._out_adapter_cache)[0]
+    def forward(self, x: torch.Tensor, block_gate: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.act_fn(self.gate_proj(x, block_gate)) * self.up_proj(x, block_gate)
+        return self.down_proj(hidden, block_gate)
 
 
 class D3DDecoderLayer(nn.Module):
@@ -243,7 +242,7 @@ class D3DDecoderLayer(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor,
         past_key_values: D3DCache | None = None,
-        block_rows: BlockRows | None = None,
+        block_gate: torch.Tensor | None = None,
         attention_interface: Callable = None,
     ) -> torch.Tensor:
         residual = hidden_states
@@ -252,11 +251,11 @@ class D3DDecoderLayer(nn.Module):
             position_embeddings,
             attention_mask,
             past_key_values,
-            block_rows,
+            block_gate,
             attention_interface,
         )
         hidden_states = residual + hidden_states
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states), block_rows)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states), block_gate)
 
 
 __all__ = [

@@ -1,12 +1,10 @@
 """D3D block-diffusion drafter (arXiv 2611.06425): Llama/Qwen3-family decoder stack with a mask token.
 
-The model only: `D3DModel` (the decoder stack of `layers_d3d`) and `D3DForDiffusionDrafting` (plus an LM head; its
-passes and initialisation come from the files it imports). The ground floor of the remote-code bundle uploaded next
-to every checkpoint: at module level it imports only torch, the public transformers API and the model's own sibling
-files (config, layers, drafting passes, checkpoint I/O), never the generation engine. The engine comes in through one
-lazy seam: `D3DForDiffusionDrafting.__init__` imports `hooks_d3d` to install the generation hook, and
-`build_candidate_generator` imports `generation_d3d`. transformers' remote-code loading still copies every engine
-file with a checkpoint: it finds relative imports inside functions too (`dynamic_module_utils.get_relative_imports`).
+The model only: `D3DModel` (the decoder stack of `layers_d3d`) and `D3DForDiffusionDrafting` (plus an LM head), the
+ground floor of the remote-code bundle: at module level it imports only torch, the public transformers API and the
+model's own sibling files, never the generation engine, which comes in through one lazy seam (`__init__` imports
+`hooks_d3d`, `build_candidate_generator` imports `generation_d3d`; transformers' remote-code loading still copies
+them with a checkpoint, as it follows relative imports inside functions too).
 
 Attention convention: every attention mask handled here is boolean, `True` where a query may attend to a key, of
 shape `(batch_size, 1, query_len, key_len)`; `key_len` counts the cached tokens first, then the current ones.
@@ -36,7 +34,7 @@ from .drafting_d3d import (
     packed_draft_logits,
     resolve_packed_attention_kernel,
 )
-from .fast_paths_d3d import FastPathSettings, gqa_sdpa_attention_forward
+from .fast_paths_d3d import FastPathSettings
 from .initialization_d3d import from_autoregressive
 from .layers_d3d import (
     D3DDecoderLayer,
@@ -143,12 +141,9 @@ class D3DPreTrainedModel(PreTrainedModel):
 
     def push_to_hub(self, repo_id: str, *, tokenizer=None, **kwargs):
         r"""
-        Uploads the folder `save_pretrained` writes (model card included) to the Hub.
-
-        With `d3d_hf` installed this is its `d3d.push_handlers` entry point, `d3d_hf.hub.push_drafter` (keyword
-        arguments of transformers' `push_to_hub`, plus `tokenizer` and `overwrite_card`); with only torch +
-        transformers it is transformers' `push_to_hub` (generic card), followed by `tokenizer.push_to_hub` when a
-        tokenizer is given.
+        Uploads the folder `save_pretrained` writes (model card included) to the Hub: with `d3d_hf` installed its
+        `d3d.push_handlers` entry point, `d3d_hf.hub.push_drafter` (transformers' `push_to_hub` arguments, plus
+        `tokenizer` and `overwrite_card`); else transformers' `push_to_hub`, then `tokenizer.push_to_hub`.
 
         Returns:
             `huggingface_hub.CommitInfo` of the model upload.
@@ -170,8 +165,9 @@ class D3DPreTrainedModel(PreTrainedModel):
             nn.init.zeros_(module.lora_B)
 
 
-class D3DModel(FastPathSettings, D3DPreTrainedModel):
-    """The bare D3D decoder stack (embeddings, layers, final norm), returning final hidden states."""
+class D3DModel(D3DPreTrainedModel):
+    """The bare D3D decoder stack (embeddings, layers, final norm), returning final hidden states. Plain linears and
+    transformers' attention registry: `patches_d3d.apply_fast_paths` adds the CPU fast paths from outside."""
 
     def __init__(self, config: D3DConfig) -> None:
         super().__init__(config)
@@ -184,9 +180,20 @@ class D3DModel(FastPathSettings, D3DPreTrainedModel):
         self.mask_embedding = D3DMaskEmbedding(config.hidden_size) if config.mask_token_id is None else None
         # how packed passes attend (not saved): `drafting_d3d.PACKED_ATTENTION_IMPLEMENTATIONS`
         self.packed_attention_implementation = "auto"
-        self.fused_projections = "auto"
-        self.autotune_matmuls = True
+        self.fast_path_settings = FastPathSettings()  # the fast paths' switches and derived weights (not saved)
         self.post_init()
+
+    # the fast-path switches, forwarded to `fast_path_settings` (`FastPathSettings`: meaning, defaults, errors)
+    autotune_matmuls = property(
+        lambda self: self.fast_path_settings.autotune_matmuls,
+        lambda self, value: self.fast_path_settings.set_autotune_matmuls(value, self),
+        doc="`fast_path_settings.autotune_matmuls`: draft passes' matmuls on the machine's fastest layout.",
+    )
+    fused_projections = property(
+        lambda self: self.fast_path_settings.fused_projections,
+        lambda self, value: setattr(self.fast_path_settings, "fused_projections", value),
+        doc="`fast_path_settings.fused_projections`: projection groups on one fused weight copy.",
+    )
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -273,11 +280,10 @@ class D3DModel(FastPathSettings, D3DPreTrainedModel):
             position_ids = torch.arange(past_len, past_len + seq_len, device=device)[None].expand(batch_size, -1)
 
         key_len = past_len + seq_len
-        # the one decision of this forward about how attention runs
+        # the one decision of this forward about how attention runs (transformers' registry; `apply_fast_paths`
+        # switches "sdpa" to the copy-free grouped-query function `GQA_SDPA` registered there)
         attention_interface = eager_attention_forward
-        if self.config._attn_implementation == "sdpa":
-            attention_interface = gqa_sdpa_attention_forward
-        elif self.config._attn_implementation not in (None, "eager"):
+        if self.config._attn_implementation not in (None, "eager"):
             attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         if packed_metadata is not None:
             if attention_mask is not None:
@@ -314,11 +320,13 @@ class D3DModel(FastPathSettings, D3DPreTrainedModel):
             raise ValueError("Reading a cache without extending it is not supported: pass `use_cache=True`.")
         if block_positions is None:
             block_positions = masked_positions
-        block_rows = self._block_rows(block_positions, hidden_states.dtype, device)
+        block_gate = None  # 1 at the rows where the block adapters apply
+        if self.config.block_lora_rank > 0 and block_positions is not None:
+            block_gate = block_positions[..., None].to(hidden_states.dtype)
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         for layer in self.layers:
             hidden_states = layer(
-                hidden_states, position_embeddings, attention_mask, cache, block_rows, attention_interface
+                hidden_states, position_embeddings, attention_mask, cache, block_gate, attention_interface
             )
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
@@ -359,7 +367,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
             # the target id of each LM-head row (FR-Spec draft vocabulary); set by `set_draft_vocabulary`
             self._tied_weights_keys = {}
             self.register_buffer("draft_vocab_ids", torch.arange(head_rows, dtype=torch.long), persistent=True)
-        self.model._output_embeddings = weakref.ref(self)  # whose LM head runs on `autotune_matmuls` too
+        self.model._output_embeddings = weakref.ref(self)  # whose LM head's packed copy `autotune_matmuls` frees
         self.post_init()
         from .hooks_d3d import install_generation_hook  # the engine's seam (module docstring)
 
@@ -580,7 +588,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         hidden_states = outputs.last_hidden_state
         if logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
-        outputs.logits = self.model._lm_head_logits(self.lm_head, hidden_states)
+        outputs.logits = self.lm_head(hidden_states)
         if self.config.draft_vocab_size and not draft_vocab_logits:
             outputs.logits = self.expand_draft_logits(outputs.logits)
         return outputs

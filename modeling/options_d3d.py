@@ -20,6 +20,7 @@ import difflib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import Any
 
 import torch
@@ -119,9 +120,12 @@ def _option(
     check: Callable[[Any, int], Any],
     internal: bool = False,
     default_doc: str | None = None,
+    experiment: Callable[[Any], bool] | None = None,
 ) -> Any:
     """A `D3DGenerationOptions` field: `default` is the value when no source sets the option (`None` where the
-    default depends on the call: `default_doc` says on what)."""
+    default depends on the call: `default_doc` says on what). `experiment(value)`: whether a value set by a source
+    asks for an experiment or ablation that the d3d-hf library provides (`experiment`), not the checkpoint's
+    bundle."""
     metadata = {
         "option": PREFIX + name,
         "accepts": accepts,
@@ -129,6 +133,7 @@ def _option(
         "check": check,
         "internal": internal,
         "default_doc": default_doc if default_doc is not None else repr(default),
+        "experiment": experiment,
     }
     return field(default=default, metadata=metadata)
 
@@ -180,7 +185,7 @@ class D3DGenerationOptions:
         draft_passes (`bool`, default `True`; internal): `False` keeps the adaptive engine from drafting (plain
             steps and prompt-lookup rounds only, same calibration): what the drafter adds is `d3d` against this.
         target_matmul_layouts (`bool`, default `False`; internal): the target's 2-32 row verification forwards on
-            the faster matmul layout of the machine (`fast_paths_d3d.target_matmul_layouts`; CPU experiment).
+            the faster matmul layout of the machine (`d3d_hf.experiments.route_target_linears`; CPU experiment).
         explicit (`frozenset[str]`): the fields some source set (the others are defaults).
     """
 
@@ -230,6 +235,7 @@ class D3DGenerationOptions:
         "Asynchronous on CPU: torch threads of the packed-pass worker (it runs beside the verification).",
         _worker_threads,
         default_doc="half of torch's threads, at least 1",
+        experiment=lambda value: True,
     )
     tree_budget: int | str | None = _option(
         "tree_budget",
@@ -268,6 +274,7 @@ class D3DGenerationOptions:
         "Which loop verifies: D3D's own or transformers' assisted-generation loop (the ablation).",
         _decoding_loop,
         internal=True,
+        experiment=lambda value: value == "transformers",
     )
     share_target_cache: bool = _option(
         "share_target_cache",
@@ -276,6 +283,7 @@ class D3DGenerationOptions:
         "A drafter on the target's first layers reads the target's cache (`False`: its own cache, the ablation).",
         _boolean,
         internal=True,
+        experiment=lambda value: value is False,
     )
     draft_passes: bool = _option(
         "draft_passes",
@@ -285,6 +293,7 @@ class D3DGenerationOptions:
         "only, same calibration): the ablation that measures what the drafter adds (bench method `engine-lookup`).",
         _boolean,
         internal=True,
+        experiment=lambda value: value is False,
     )
     target_matmul_layouts: bool = _option(
         "target_matmul_layouts",
@@ -293,6 +302,7 @@ class D3DGenerationOptions:
         "The target's verification forwards on the machine's faster matmul layout (CPU experiment).",
         _boolean,
         internal=True,
+        experiment=lambda value: value is True,
     )
     explicit: frozenset[str] = field(default=frozenset(), compare=False)
 
@@ -359,6 +369,10 @@ class D3DGenerationOptions:
             values["worker_threads"] = default_worker_threads()
         options = cls(**values, explicit=frozenset(explicit))
         options._check_combinations()
+        for f in cls.option_fields():
+            asks = f.metadata["experiment"]
+            if asks is not None and f.name in explicit and asks(values[f.name]):
+                experiment(f.metadata["option"][len(PREFIX) :], f"`{f.metadata['option']}={values[f.name]!r}`")
         return options
 
     def is_explicit(self, name: str) -> bool:
@@ -431,6 +445,34 @@ class D3DGenerationOptions:
         out = {f.metadata["option"]: getattr(self, f.name) for f in self.option_fields()}
         out["explicit"] = sorted(f.metadata["option"] for f in self.option_fields() if f.name in self.explicit)
         return out
+
+
+#: the entry-point group through which the d3d-hf library offers the bundle its experiments and ablations (its
+#: pyproject.toml declares them): each entry is named after its option's field (`target_matmul_layouts`,
+#: `draft_passes`, `share_target_cache`, `decoding_loop`, `worker_threads`; `D3DGenerationOptions`, the
+#: `experiment` of each field's declaration) and is what the bundle calls for it (`d3d_hf.experiments`)
+EXPERIMENTS_GROUP = "d3d.experiments"
+
+
+def experiment(name: str, asked: str | None = None) -> Any:
+    """The installed `d3d.experiments` entry `name` (what the bundle calls for that experiment).
+
+    Raises:
+        ValueError: when no installed package provides it (a checkpoint loaded with `trust_remote_code=True` alone),
+            naming what asked for it (`asked`) and how to get it: install d3d-hf.
+    """
+    for entry in entry_points(group=EXPERIMENTS_GROUP):
+        if entry.name == name:
+            try:
+                return entry.load()
+            except ImportError:
+                break
+    what = asked or f"the `{PREFIX}{name}` experiment"
+    raise ValueError(
+        f"{what} is an experiment (or ablation) of the d3d-hf library, not of the drafter's remote-code bundle, and "
+        "d3d-hf is not installed here: `pip install d3d-hf` (then `import d3d_hf`, or load the drafter with "
+        "`d3d_hf.drafters.load_drafter`), or drop the option."
+    )
 
 
 def _names_in(source: Any) -> list[str]:
@@ -629,10 +671,12 @@ def check_batch_options(options: D3DGenerationOptions, batch_size: int, padded: 
 __all__ = [
     "ASSISTED_GENERATION_OPTIONS",
     "D3DGenerationOptions",
+    "EXPERIMENTS_GROUP",
     "assisted_generation_options",
     "call_options",
     "check_batch_options",
     "check_option_names",
+    "experiment",
     "nearest_option",
     "options_markdown_table",
     "parse_option_text",

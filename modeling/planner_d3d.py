@@ -6,34 +6,17 @@ Part of the self-contained remote-code bundle: imports only torch and its siblin
 
 from __future__ import annotations
 
-import contextlib
-import copy
 from collections.abc import Callable
 
 import torch
 
 from .calibration_d3d import CalibrationStore, policy_for
 from .drafting_d3d import D3DCache
-from .fast_paths_d3d import target_gqa_attention, target_matmul_layouts
+from .fast_paths_d3d import layout_mark
 from .lookup_d3d import lookup_match
-from .options_d3d import D3DGenerationOptions
+from .options_d3d import D3DGenerationOptions, experiment
 from .policy_d3d import DraftPolicy
 from .runtime_d3d import timed
-
-
-@contextlib.contextmanager
-def target_forward_context(target, options: D3DGenerationOptions):
-    """The context in which a call's target forwards run (D3D's own loop, and the calibration of its verify curve):
-    `fast_paths_d3d.target_gqa_attention(target)` (multi-row forwards attend without copying keys/values per query
-    head; bit-identical) unless `d3d_decoding_loop="transformers"`, and `fast_paths_d3d.target_matmul_layouts(target)`
-    with `d3d_target_matmul_layouts=True`. Yields whether the attention was switched."""
-    with contextlib.ExitStack() as stack:
-        switched = False
-        if target is not None and options.decoding_loop == "d3d":
-            switched = stack.enter_context(target_gqa_attention(target))
-        if target is not None and options.target_matmul_layouts:
-            stack.enter_context(target_matmul_layouts(target))
-        yield switched
 
 
 class DraftPasses:
@@ -42,19 +25,15 @@ class DraftPasses:
 
     A pass during which `MatmulLayouts` was still timing candidate layouts (a row count seen for the first time) ran
     some matmuls on slower layouts than it will from then on: its time is used for that round's choice but not
-    learned into the cost curves (`timed_pass`, `learned_verify_seconds`), where the policy's EMA would keep it."""
+    learned into the cost curves (`timed_pass`, `learned_verify_seconds`: `fast_paths_d3d.layout_mark`), where the
+    policy's EMA would keep it."""
 
     def __init__(self, drafter) -> None:
         self.drafter = drafter
         self.device = drafter.model.embed_tokens.weight.device
         self.cache = D3DCache()  # a new, empty drafter state for every `generate` call
         self.target_cache = None
-        self._verify_trials = 0
-
-    def layout_trials(self) -> int:
-        """The process's `MatmulLayouts.timed_calls` (drafter and, under `d3d_target_matmul_layouts`, target)."""
-        trials = getattr(self.drafter.model, "matmul_layout_trials", None)
-        return trials() if trials is not None else 0
+        self._verify_mark = layout_mark()
 
     def share_target_cache(self, cache) -> None:
         """Makes every later pass attend to the target's `cache` (a `DynamicCache` that D3D's loop keeps at the
@@ -77,30 +56,17 @@ class DraftPasses:
 
     def timed_pass(self, committed, cache, num_masks: int) -> tuple[torch.Tensor, float, float | None]:
         """A draft pass: `(block logits, its seconds, the seconds to learn or None)`."""
-        trials = self.layout_trials()
+        mark = layout_mark()
         block_logits, seconds = timed(lambda: self.drafter.draft_logits(committed, cache, num_masks=num_masks)[0])
-        return block_logits, seconds, seconds if self.layout_trials() == trials else None
+        return block_logits, seconds, mark.learned(seconds)
 
     def verification_starts(self) -> None:
         """Marks the start of a verification (for `learned_verify_seconds`)."""
-        self._verify_trials = self.layout_trials()
+        self._verify_mark = layout_mark()
 
     def learned_verify_seconds(self, seconds: float | None) -> float | None:
         """The verification's time, or `None` when `MatmulLayouts` timed candidates during it."""
-        return seconds if self.layout_trials() == self._verify_trials else None
-
-
-_LOOKUP_ONLY_POLICIES: dict[str, DraftPolicy] = {}
-
-
-def _without_draft_passes(policy: DraftPolicy, key: str) -> DraftPolicy:
-    """The process's drafter-less twin of the calibrated `policy` (`d3d_draft_passes=False`): a copy made when first
-    asked for, with no draft curve (so a draft pass is never an option), that then learns on its own."""
-    twin = _LOOKUP_ONLY_POLICIES.get(key)
-    if twin is None:
-        twin = _LOOKUP_ONLY_POLICIES[key] = copy.deepcopy(policy)
-        twin.draft_curve = None
-    return twin
+        return self._verify_mark.learned(seconds)
 
 
 class RoundPlanner:
@@ -108,9 +74,10 @@ class RoundPlanner:
     with, what it learns after each round and when its state is saved.
 
     Adaptive (`d3d_num_drafts="adaptive"`): the drafter's own `draft_policy` if it has one, else the machine's
-    calibrated policy for this (target, drafter) pair (`calibration_d3d.policy_for`, measured under the target's
-    forward context). Fixed (a number or `"full"`): a `DraftPolicy` of that many drafts; prompt lookup off. Without
-    a target to calibrate against, the fixed full block (recorded in `stats.overrides`).
+    calibrated policy for this (target, drafter) pair (`calibration_d3d.policy_for`, measured under the fast paths
+    the call's `generate` applied: `patches_d3d.apply_fast_paths`). Fixed (a number or `"full"`): a `DraftPolicy` of
+    that many drafts; prompt lookup off. Without a target to calibrate against, the fixed full block (recorded in
+    `stats.overrides`).
 
     Args:
         drafter (`D3DForDiffusionDrafting`): the drafter.
@@ -142,12 +109,11 @@ class RoundPlanner:
             self.policy = own
             return
         self.store = CalibrationStore()
-        with target_forward_context(target, options):  # the verify curve of the forwards the loop will run
-            self.policy, self.key = policy_for(
-                target, drafter, self.store, target_matmul_layouts=options.target_matmul_layouts
-            )
-        if not options.draft_passes:  # the ablation without the drafter: its own policy, never saved
-            self.policy, self.key = _without_draft_passes(self.policy, self.key), None
+        self.policy, self.key = policy_for(
+            target, drafter, self.store, target_matmul_layouts=options.target_matmul_layouts
+        )
+        if not options.draft_passes:  # the ablation without the drafter (d3d_hf): its own policy, never saved
+            self.policy, self.key = experiment("draft_passes")(self.policy, self.key), None
 
     def cost_curves_ms(self) -> dict[str, dict[int, float]] | None:
         """The adaptive policy's cost curves as they stand, milliseconds by new rows (`None` for a fixed plan)."""
@@ -172,4 +138,4 @@ class RoundPlanner:
             self.policy.save_to(self.store, self.key)
 
 
-__all__ = ["DraftPasses", "RoundPlanner", "target_forward_context"]
+__all__ = ["DraftPasses", "RoundPlanner"]

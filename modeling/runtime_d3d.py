@@ -1,6 +1,6 @@
 """Timing and overlap plumbing of D3D decoding: the clock of one assisted-generation loop's rounds, and the worker that
-runs a packed pass off the critical path (a CPU worker thread with its own torch thread count, or a side CUDA stream
-joined with an event).
+runs a packed pass off the critical path (a side CUDA stream joined with an event, or a CPU worker thread with its own
+torch thread count, which the library provides: `d3d_hf.experiments.cpu_worker`).
 
 Part of the self-contained remote-code bundle: imports only the Python standard library and torch. The candidate
 generator (`generation_d3d.py`) keeps the counters and the decoding policy; everything here only times and runs.
@@ -14,8 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-_EXECUTORS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
 
 
 class RoundClock:
@@ -70,46 +68,25 @@ def default_worker_threads() -> int:
     return max(1, torch.get_num_threads() // 2)
 
 
-def _executor(threads: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The worker thread that runs packed passes on CPU with `threads` torch intra-op threads (torch ops release the
-    GIL); one per thread count, created once.
-
-    torch's thread count is per OS thread once a thread has run torch ops, but `torch.set_num_threads` also sets the
-    default that threads created later start with. So the new worker sets its own count first, and the caller, once
-    that is done, sets its own (unchanged) count again, which puts the default back; no pass changes it afterwards.
-    """
-    if threads not in _EXECUTORS:
-        executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"d3d-packed-draft-{threads}"
-        )
-        executor.submit(_set_worker_threads, threads).result()
-        torch.set_num_threads(torch.get_num_threads())
-        _EXECUTORS[threads] = executor
-    return _EXECUTORS[threads]
-
-
-def _set_worker_threads(threads: int) -> None:
-    # torch initialises a thread's count from the process default on the thread's first parallel op; doing that
-    # before setting it keeps the later reset of the default (by the caller) from overriding this thread's count
-    torch.get_num_threads()
-    torch.set_num_threads(threads)
-
-
 class PackedPassWorker:
     """Runs one packed pass at a time off the critical path and joins it.
 
     On CUDA the pass is enqueued on a side stream that first waits for the current stream, and joined with an event
     (the current stream waits for it; tensors made on the side stream are recorded on the current one). On CPU it
-    runs on a worker thread with `worker_threads` torch intra-op threads (`_executor`).
+    runs on a worker thread with `worker_threads` torch intra-op threads (`cpu_worker(worker_threads)`, an
+    experiment of the library: `d3d_hf.experiments.cpu_worker`).
 
     Args:
         device (`torch.device`): the drafter's device.
         worker_threads (`int`): torch intra-op threads of the CPU worker (ignored on CUDA).
+        cpu_worker (`Callable[[int], concurrent.futures.Executor]`, *optional*): the CPU worker for a thread count
+            (required off CUDA).
     """
 
-    def __init__(self, device: torch.device, worker_threads: int) -> None:
+    def __init__(self, device: torch.device, worker_threads: int, cpu_worker: Callable | None = None) -> None:
         self.device = device
         self.worker_threads = worker_threads
+        self.cpu_worker = cpu_worker
         self._stream = None
         self._handle: Any = None
 
@@ -142,7 +119,7 @@ class PackedPassWorker:
             result = packed_pass()
             return result, time.perf_counter() - begin
 
-        self._handle = _executor(self.worker_threads).submit(timed_pass)
+        self._handle = self.cpu_worker(self.worker_threads).submit(timed_pass)
         return None
 
     def join(self, tensors_of: Callable[[Any], list[torch.Tensor]]) -> tuple[Any, float | None, float | None]:

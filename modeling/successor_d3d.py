@@ -17,7 +17,7 @@ are dropped from the cache with the rejected nodes (`tree_d3d.keep_cache_path`).
 
 The pieces: `fused_drafting_unavailable` (whether a (target, drafter) pair can do it, and why not),
 `successor_attention_inputs` (the verification's mask and positions with the blocks appended),
-`block_rows_on_target` (while open, the target's forwards treat their last rows as block rows) and
+`patches_d3d.block_rows_on_target` (while open, the target's forwards treat their last rows as block rows) and
 `SuccessorBlocks` (one call's state: the blocks planned for the verification under way, the block ready for the
 next round). Where the blocks go is the policy's (`policy_d3d.DraftPolicy.successor_plan`).
 """
@@ -30,31 +30,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .patches_d3d import block_rows_on_target, decoder_layers, drafter_projection_groups
 from .tree_d3d import DraftTree, tree_attention_inputs
-
-
-def _decoder_layers(target) -> nn.ModuleList | None:
-    decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", None)
-    return getattr(decoder, "layers", None)
-
-
-def _projection_groups(drafter, target) -> list[tuple[list[nn.Module], list[nn.Module], dict]]:
-    """`(target_linears, drafter_projections, cache)` for every group of projections that read one input (q/k/v,
-    o, gate/up, down) of every layer; `cache` is the drafter's own store of the group's derived weights (`project`),
-    so the target's forwards reuse the fused weights the drafter's passes built (no second copy)."""
-    layers = _decoder_layers(target)
-    groups = []
-    for index, layer in enumerate(drafter.model.layers):
-        attention, mlp = layer.self_attn, layer.mlp
-        for parent, names, owner, cache in (
-            ("self_attn", ("q_proj", "k_proj", "v_proj"), attention, attention._adapter_cache),
-            ("self_attn", ("o_proj",), attention, attention._out_adapter_cache),
-            ("mlp", ("gate_proj", "up_proj"), mlp, mlp._adapter_cache),
-            ("mlp", ("down_proj",), mlp, mlp._out_adapter_cache),
-        ):
-            theirs = [layers[index].get_submodule(f"{parent}.{name}") for name in names]
-            groups.append((theirs, [getattr(owner, name) for name in names], cache))
-    return groups
 
 
 def fused_drafting_unavailable(drafter, target) -> str | None:
@@ -67,14 +44,14 @@ def fused_drafting_unavailable(drafter, target) -> str | None:
     config = drafter.config
     if not getattr(config, "shares_target_weights", False) or getattr(drafter, "_attached_target", None) is not target:
         return "the drafter does not run on the target's own weights (shares_target_weights)"
-    layers = _decoder_layers(target)
+    layers = decoder_layers(target)
     if layers is None:
         return f"{type(target).__name__} has no decoder layer list to add the block adapters to"
     ids = list(config.source_layer_ids or range(config.num_hidden_layers))
     if ids != list(range(len(layers))):
         return f"the drafter runs {len(ids)} of the target's {len(layers)} layers (fused blocks need all, in order)"
     try:
-        groups = _projection_groups(drafter, target)
+        groups = drafter_projection_groups(drafter, decoder_layers(target))
     except (AttributeError, IndexError):
         return f"{type(target).__name__}'s layers do not have the drafter's projection names"
     for theirs, own, _ in groups:
@@ -141,78 +118,6 @@ def successor_attention_inputs(
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None], positions[None]
-
-
-@contextlib.contextmanager
-def block_rows_on_target(target, drafter, start: int):
-    r"""While open, every forward of `target` treats its rows `start..` as the drafter's block rows: their input
-    embedding is the drafter's mask embedding and each adapted projection adds the drafter's block adapter there
-    (`out += scaling * (x A^T) B^T` on those rows only). The target's projections run the drafter's own projection
-    path (`fast_paths_d3d.project`: the drafter's layers *are* the target's weights plus adapters): each group that
-    reads one input (q/k/v, gate/up, and o, down alone) is one call of the drafter's `FusedProjections` `[W; A]`
-    weight where the drafter runs those (`fused_projections`), and its `MatmulLayouts` with `autotune_matmuls`,
-    so a block row costs what a plain row does (the forward hooks this replaced cost ~6 ms per block row in
-    bfloat16: benchmarks/results/fused/rows_cost.md). The other rows are the target's own projections computed in
-    one matmul with the adapter down-projection: the same values up to float rounding (tests/test_successor.py).
-    The first projection of a group computes the group and hands the others their outputs (q_proj for k_proj and
-    v_proj, gate_proj for up_proj, recognised by the very same input tensor); a projection called on another input
-    computes its own. The instance-level `forward`s are removed when the context closes (also on an exception).
-    Use only on a pair for which `fused_drafting_unavailable` is `None`.
-
-    Args:
-        target (`PreTrainedModel`): the target.
-        drafter (`D3DForDiffusionDrafting`): its weight-sharing drafter.
-        start (`int`): the first block row of the forwards run while open.
-    """
-    from .fast_paths_d3d import project
-
-    mask_vector = drafter.model.mask_token_embedding()
-    rows_by_length: dict[tuple, object] = {}
-
-    def block_rows(x: torch.Tensor):
-        key = (x.shape[0], x.shape[1], x.dtype, x.device)
-        rows = rows_by_length.get(key)
-        if rows is None:
-            positions = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)
-            positions[:, start:] = True
-            rows = rows_by_length[key] = drafter.model._block_rows(positions, x.dtype, x.device)
-        return rows
-
-    def embed_hook(module, args, output):
-        output[:, start:] = mask_vector.to(output.dtype)
-        return output
-
-    def group_forward(own: list[nn.Module], cache: dict, index: int, handed: dict):
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            if index > 0:
-                ready = handed.pop(index, None)
-                if ready is not None and ready[0] is x:
-                    return ready[1]
-                return project([own[index]], x, block_rows(x), {})[0]
-            outputs = project(own, x, block_rows(x), cache)
-            for later in range(1, len(own)):
-                handed[later] = (x, outputs[later])
-            return outputs[0]
-
-        return forward
-
-    routed, handle = [], None  # (module, the instance-level forward it had, e.g. `target_matmul_layouts`')
-    try:
-        handle = target.get_input_embeddings().register_forward_hook(embed_hook)
-        for theirs, own, cache in _projection_groups(drafter, target):
-            handed: dict = {}
-            for index, module in enumerate(theirs):
-                routed.append((module, module.__dict__.get("forward")))
-                module.forward = group_forward(own, cache, index, handed)
-        yield
-    finally:
-        if handle is not None:
-            handle.remove()
-        for module, previous in routed:
-            if previous is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous
 
 
 def end_probabilities(acceptance: list[float]) -> list[float]:
@@ -318,7 +223,6 @@ class SuccessorBlocks:
 
 __all__ = [
     "SuccessorBlocks",
-    "block_rows_on_target",
     "end_probabilities",
     "fused_drafting_unavailable",
     "successor_attention_inputs",

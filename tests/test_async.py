@@ -132,9 +132,9 @@ def test_worker_threads_option_sets_the_worker_only(monkeypatch):
     count never used before); output stays identical."""
     import threading
 
-    from d3d_hf.modeling import runtime_d3d
+    from d3d_hf import experiments
 
-    monkeypatch.setattr(runtime_d3d, "_EXECUTORS", {})  # every worker count below is new to this process
+    monkeypatch.setattr(experiments, "_EXECUTORS", {})  # every worker count below is new to this process
     target = tiny_target(sharpen=4.0)
     drafter = perturbed_drafter(target, 4)
     calls = _instrumented(drafter, monkeypatch)

@@ -1,12 +1,13 @@
 """The CPU fast paths of the draft pass and the target's verifications (modeling/fast_paths_d3d.py): grouped-query
-SDPA without copying keys/values (`gqa_sdpa_attention_forward`, the drafter's `"sdpa"` forwards, the target under
-`target_gqa_attention`), and the projections' fused inference paths (`FusedProjections`, `add_block_adapters`) with
-the `fused_projections` option. `MatmulLayouts` has its own file, test_matmul_layouts.py."""
+SDPA without copying keys/values (`gqa_sdpa_attention_forward`, the drafter's `"sdpa"` forwards under
+`apply_fast_paths`, the target under `target_gqa_attention`), and the projections' fused inference paths
+(`FusedProjections`, `add_block_adapters`) with the `fused_projections` option. `MatmulLayouts` has its own file,
+test_matmul_layouts.py; how the paths are applied and undone (modeling/patches_d3d.py), test_patches.py."""
 
 import os
 
 import d3d_hf.modeling.fast_paths_d3d as fast_paths
-import d3d_hf.modeling.modeling_d3d as modeling_d3d
+import d3d_hf.modeling.patches_d3d as patches_d3d
 import pytest
 import torch
 from _tiny import random_prompt, tiny_target
@@ -48,15 +49,15 @@ def test_gqa_sdpa_equals_transformers_sdpa_without_copying_keys(dtype, groups, m
 
 
 def test_drafter_sdpa_pass_uses_gqa_attention_and_keeps_its_bits(monkeypatch):
-    """The drafter's `"sdpa"` forwards run `gqa_sdpa_attention_forward`; its draft logits (1 to 6 rows, cached
-    prefix) equal those of transformers' SDPA function bit for bit."""
+    """Under `apply_fast_paths` the drafter's `"sdpa"` forwards run `gqa_sdpa_attention_forward`; its draft logits
+    (1 to 6 rows, cached prefix) equal those of its plain path (transformers' SDPA function) bit for bit."""
     target = tiny_target("llama")
     drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=6)
     drafter.config._attn_implementation = "sdpa"
     drafter.model.autotune_matmuls = False
     calls = []
-    ours = modeling_d3d.gqa_sdpa_attention_forward  # the name `D3DModel.forward` reads
-    monkeypatch.setattr(modeling_d3d, "gqa_sdpa_attention_forward", lambda *a, **k: calls.append(1) or ours(*a, **k))
+    ours = fast_paths.gqa_sdpa_attention_forward  # the function `switch_attention` registers
+    monkeypatch.setattr(fast_paths, "gqa_sdpa_attention_forward", lambda *a, **k: calls.append(1) or ours(*a, **k))
     ids = random_prompt(9)
     cache = D3DCache()
 
@@ -69,10 +70,13 @@ def test_drafter_sdpa_pass_uses_gqa_attention_and_keeps_its_bits(monkeypatch):
 
     with torch.no_grad():
         drafter.draft_logits(ids[:, :8], cache, num_masks=0)
-        got = passes()
-        assert len(calls) == 7 * drafter.config.num_hidden_layers
-        monkeypatch.setattr(modeling_d3d, "gqa_sdpa_attention_forward", ALL_ATTENTION_FUNCTIONS["sdpa"])
+        with patches_d3d.apply_fast_paths(drafter):
+            assert drafter.config._attn_implementation == fast_paths.GQA_SDPA
+            got = passes()
+        assert len(calls) == 6 * drafter.config.num_hidden_layers
+        assert drafter.config._attn_implementation == "sdpa"
         want = passes()
+    assert len(calls) == 6 * drafter.config.num_hidden_layers, "the plain path runs transformers' function"
     for num_masks, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), num_masks
 
@@ -99,9 +103,9 @@ def test_target_gqa_attention_keeps_the_targets_bits_and_restores_its_config(mon
     monkeypatch.setattr(
         fast_paths, "gqa_sdpa_attention_forward", lambda *a, **k: calls.append(a[1].shape[2]) or ours(*a, **k)
     )
-    with fast_paths.target_gqa_attention(target) as switched:
+    with patches_d3d.target_gqa_attention(target) as switched:
         assert switched and target.config._attn_implementation == fast_paths.GQA_SDPA
-        with fast_paths.target_gqa_attention(target) as inner:  # nested: still on, and the outer one restores
+        with patches_d3d.target_gqa_attention(target) as inner:  # nested: still on, and the outer one restores
             assert inner
         assert target.config._attn_implementation == fast_paths.GQA_SDPA
         got = {rows: _forward_over_cache(target, ids, 14 - rows) for rows in (1, 2, 5)}
@@ -110,14 +114,14 @@ def test_target_gqa_attention_keeps_the_targets_bits_and_restores_its_config(mon
     for rows in want:
         assert torch.equal(got[rows], want[rows]), rows
     with pytest.raises(RuntimeError, match="inside"):
-        with fast_paths.target_gqa_attention(target):
+        with patches_d3d.target_gqa_attention(target):
             raise RuntimeError("inside")
     assert target.config._attn_implementation == "sdpa"
     target.config._attn_implementation = "eager"
-    with fast_paths.target_gqa_attention(target) as switched:
+    with patches_d3d.target_gqa_attention(target) as switched:
         assert not switched and target.config._attn_implementation == "eager"
     target.config._attn_implementation, target.config.num_key_value_heads = "sdpa", target.config.num_attention_heads
-    with fast_paths.target_gqa_attention(target) as switched:
+    with patches_d3d.target_gqa_attention(target) as switched:
         assert not switched and target.config._attn_implementation == "sdpa"
 
 
@@ -157,9 +161,15 @@ def _adapted_drafter(modules=None, seed=0, fused_projections=False, rank=4, bias
 def _forward_both_ways(drafter, ids, block_positions):
     with torch.enable_grad():  # the per-projection path (training's)
         ref = drafter(ids, block_positions=block_positions).logits.detach()
-    with torch.no_grad():  # the fused inference path
+    with torch.no_grad(), patches_d3d.apply_fast_paths(drafter):  # the fused inference path
         out = drafter(ids, block_positions=block_positions).logits
     return out, ref
+
+
+def _group_cache(drafter, group):
+    """The derived weights of layer 0's projection group named by its first projection (`q_proj`, `o_proj`, ...)."""
+    parent = "self_attn" if group in ("q_proj", "o_proj") else "mlp"
+    return drafter.model.fast_path_settings.caches.get(f"layers.0.{parent}.{group}", {})
 
 
 @pytest.mark.parametrize("fused_projections", [False, True])
@@ -179,11 +189,10 @@ def test_fused_block_adapters_equal_the_per_projection_adapters(modules, layout,
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     plain = drafter(ids).logits.detach()  # no block rows: no adapter
     assert not torch.allclose(out, plain, atol=1e-3), "the adapters must change the block rows"
-    attn, mlp = drafter.model.layers[0].self_attn, drafter.model.layers[0].mlp
     ran = "fused_projections" if fused_projections else "key"
-    assert (ran in attn._adapter_cache) == (modules is None or "q_proj" in modules), "the fused path ran"
-    assert (ran in mlp._out_adapter_cache) == (modules is None or "down_proj" in modules)
-    assert (ran in mlp._adapter_cache) == (modules is None or "up_proj" in modules)
+    assert (ran in _group_cache(drafter, "q_proj")) == (modules is None or "q_proj" in modules), "the fused path ran"
+    assert (ran in _group_cache(drafter, "down_proj")) == (modules is None or "down_proj" in modules)
+    assert (ran in _group_cache(drafter, "gate_proj")) == (modules is None or "up_proj" in modules)
 
 
 @pytest.mark.parametrize("fused_projections", [False, True])
@@ -211,30 +220,30 @@ def test_fused_projections_option_memory_and_errors(monkeypatch):
     assert D3DForDiffusionDrafting(drafter.config).model.fused_projections == "auto"
     ids, block = random_prompt(8), torch.zeros(1, 8, dtype=torch.bool)
     block[:, 3:] = True
-    with torch.no_grad():
+    with torch.no_grad(), patches_d3d.apply_fast_paths(drafter):
         fused = drafter(ids, block_positions=block).logits
         layer_bytes = sum(p.numel() * p.element_size() for n, p in drafter.model.layers.named_parameters())
-        held = drafter.model.fused_projections_bytes()
+        held = drafter.model.fast_path_settings.fused_projections_bytes()
         assert layer_bytes - 1024 < held < 2 * layer_bytes, "one more copy of the layers' weights (plus B blocks)"
         drafter.model.fused_projections = False  # frees the copy, same values by the other path
-        assert drafter.model.fused_projections_bytes() == 0
+        assert drafter.model.fast_path_settings.fused_projections_bytes() == 0
         torch.testing.assert_close(drafter(ids, block_positions=block).logits, fused, rtol=1e-5, atol=1e-5)
-        assert drafter.model.fused_projections_bytes() == 0
+        assert drafter.model.fast_path_settings.fused_projections_bytes() == 0
         drafter(ids)  # a forward without block rows never builds them
         drafter.model.fused_projections = True
         drafter(ids)
-        assert drafter.model.fused_projections_bytes() == 0
+        assert drafter.model.fast_path_settings.fused_projections_bytes() == 0
     monkeypatch.setattr(os, "sysconf", lambda name: 1000 if name == "SC_PHYS_PAGES" else 4096)  # a 4 MB machine
-    drafter.model.fused_projections, drafter.model._auto_fused_decision = "auto", None
-    with torch.no_grad():
+    drafter.model.fused_projections, drafter.model.fast_path_settings._auto_fused_decision = "auto", None
+    with torch.no_grad(), patches_d3d.apply_fast_paths(drafter):
         drafter(ids, block_positions=block)
-    assert drafter.model.fused_projections_bytes() == 0, "'auto' keeps off a copy that would not fit"
+    assert drafter.model.fast_path_settings.fused_projections_bytes() == 0, "'auto' keeps off a copy that would not fit"
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="'auto', True or False"):
             drafter.model.fused_projections = bad
-    with torch.enable_grad():  # training never uses them
+    with torch.enable_grad(), patches_d3d.apply_fast_paths(drafter):  # training never uses them
         drafter(ids, block_positions=block).logits.sum().backward()
-    assert drafter.model.fused_projections_bytes() == 0
+    assert drafter.model.fast_path_settings.fused_projections_bytes() == 0
 
 
 def test_auto_fused_projections_count_the_packed_copy_in_half_precision(monkeypatch):
@@ -244,20 +253,22 @@ def test_auto_fused_projections_count_the_packed_copy_in_half_precision(monkeypa
     # 10% of this machine's memory holds 1.5 copies of the layers' weights
     monkeypatch.setattr(os, "sysconf", lambda name: int(15 * layer_bytes / page) if name == "SC_PHYS_PAGES" else page)
     cpu = torch.device("cpu")
-    assert model._auto_fused(cpu), "float32: one copy, it fits"
+    settings = model.fast_path_settings
+    assert settings.auto_fused(model, cpu), "float32: one copy, it fits"
     layouts = fast_paths.MatmulLayouts
     monkeypatch.setattr(layouts, "candidates", staticmethod(lambda dtype: (*layouts.LAYOUTS, "packed")))
     model.to(torch.bfloat16)  # bfloat16 halves the layers' bytes: make 10% hold 1.5 bfloat16 copies again
     monkeypatch.setattr(os, "sysconf", lambda name: int(7.5 * layer_bytes / page) if name == "SC_PHYS_PAGES" else page)
-    assert not model._auto_fused(cpu), "fused copy + its packed copy do not fit"
+    assert not settings.auto_fused(model, cpu), "fused copy + its packed copy do not fit"
     model.autotune_matmuls = False
-    assert model._auto_fused(cpu), "no layouts, no packed copy: the fused copy fits"
+    assert settings.auto_fused(model, cpu), "no layouts, no packed copy: the fused copy fits"
 
 
 def test_drafter_made_under_inference_mode_drafts():
     """Inference tensors keep no version counter: the derived-weight caches must not need one."""
     with torch.inference_mode():
         drafter = _adapted_drafter(fused_projections=True)
+        patches_d3d.apply_fast_paths(drafter)  # left applied: the drafter is this test's own
         cache = D3DCache()
         fused = drafter.draft_logits(random_prompt(6), cache, num_masks=3)
         drafter.model.fused_projections = False

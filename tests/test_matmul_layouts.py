@@ -1,6 +1,6 @@
 """Matmul layouts chosen by timing (`MatmulLayouts`, `D3DModel.autotune_matmuls`; d3d-hf issue 14): both layouts
-give `nn.functional.linear`'s values, the faster one (by the clock) is kept per key, and draft passes, the LM head
-and the cost calibration use it only where they should."""
+give `nn.functional.linear`'s values, the faster one (by the clock) is kept per key, and draft passes (under
+`apply_fast_paths`), the LM head and the cost calibration use it only where they should."""
 
 import d3d_hf.modeling.calibration_d3d as calibration_d3d
 import d3d_hf.modeling.fast_paths_d3d as fast_paths
@@ -8,8 +8,10 @@ import pytest
 import torch
 from _tiny import random_prompt, tiny_target
 from d3d_hf.modeling.fast_paths_d3d import MatmulLayouts
+from d3d_hf.modeling.patches_d3d import apply_fast_paths
 
 from d3d_hf import D3DCache, D3DForDiffusionDrafting
+from d3d_hf.experiments import target_matmul_layouts
 
 
 class ScriptedLayouts(MatmulLayouts):
@@ -124,12 +126,13 @@ def test_draft_passes_run_on_the_chosen_layouts_and_the_option_turns_them_off(mo
     reference = drafter.draft_logits(ids, D3DCache(), num_masks=3)
     assert fast_paths.MATMUL_LAYOUTS.choices == {} and fast_paths.MATMUL_LAYOUTS.settled()
     drafter.model.autotune_matmuls = True
-    for _ in range(8):
-        out = drafter.draft_logits(ids, D3DCache(), num_masks=3)
-        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
-    before = drafter.model.matmul_layout_trials()
-    drafter.draft_logits(ids, D3DCache(), num_masks=3)
-    assert drafter.model.matmul_layout_trials() == before and fast_paths.MATMUL_LAYOUTS.settled()
+    with apply_fast_paths(drafter):
+        for _ in range(8):
+            out = drafter.draft_logits(ids, D3DCache(), num_masks=3)
+            torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+        mark = fast_paths.layout_mark()
+        drafter.draft_logits(ids, D3DCache(), num_masks=3)
+    assert not mark.timed() and fast_paths.MATMUL_LAYOUTS.settled()
     shapes = {key[0] for key in fast_paths.MATMUL_LAYOUTS.choices}
     config = drafter.config
     assert (config.vocab_size, config.hidden_size) in shapes, "the LM head's matmul"
@@ -162,7 +165,8 @@ def test_drafters_without_adapters_and_passes_without_masks_run_on_chosen_layout
     ids = random_prompt(5)
     with torch.no_grad():
         reference = target(ids).logits[:, -1]
-    out = drafter.draft_logits(ids, D3DCache(), num_masks=0)[:, -1]  # no masks: the committed rows only
+    with apply_fast_paths(drafter):
+        out = drafter.draft_logits(ids, D3DCache(), num_masks=0)[:, -1]  # no masks: the committed rows only
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     config = drafter.config
     layouts = fast_paths.MATMUL_LAYOUTS
@@ -183,7 +187,7 @@ def test_target_matmul_layouts_route_the_targets_linears_and_restore_them(monkey
     linears = [m for m in target.modules() if type(m) is torch.nn.Linear]
     own = linears[0]
     own.forward = lambda x: torch.nn.functional.linear(x, own.weight, own.bias)  # e.g. an accelerate hook
-    with torch.no_grad(), fast_paths.target_matmul_layouts(target) as routed:
+    with torch.no_grad(), target_matmul_layouts(target) as routed:
         assert routed == linears[1:], "modules with an instance-level forward are left alone"
         target(random_prompt(1))  # one row: nn.Linear's own call, untimed
         assert fast_paths.MATMUL_LAYOUTS.choices == {} and fast_paths.MATMUL_LAYOUTS.settled()
@@ -196,7 +200,7 @@ def test_target_matmul_layouts_route_the_targets_linears_and_restore_them(monkey
         reference = target(random_prompt(3)).logits
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="inside"):
-        with fast_paths.target_matmul_layouts(target):
+        with target_matmul_layouts(target):
             raise RuntimeError("inside")
     assert all("forward" not in m.__dict__ for m in linears[1:]), "restored after an exception too"
 
@@ -326,16 +330,18 @@ def test_bfloat16_draft_passes_on_packed_weights_match_nn_linear(monkeypatch, fu
     drafter.model.fused_projections = fused_projections
     ids = random_prompt(7)
     drafter.model.autotune_matmuls = False
-    reference = drafter.draft_logits(ids, D3DCache(), num_masks=3)
+    with apply_fast_paths(drafter):  # the same paths with `nn.functional.linear`
+        reference = drafter.draft_logits(ids, D3DCache(), num_masks=3)
     drafter.model.autotune_matmuls = True
     layouts = ScriptedLayouts({"x W^T": 1.0, "W x^T": 1.0, MatmulLayouts.PACKED: 0.5})
     monkeypatch.setattr(fast_paths, "MATMUL_LAYOUTS", layouts)
-    for _ in range(12):
+    with apply_fast_paths(drafter):
+        for _ in range(12):
+            out = drafter.draft_logits(ids, D3DCache(), num_masks=3)
+            torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2)  # W x^T rounds differently in bfloat16
+        assert layouts.settled() and set(layouts.choices.values()) == {MatmulLayouts.PACKED}
+        layouts.ran.clear()
         out = drafter.draft_logits(ids, D3DCache(), num_masks=3)
-        torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2)  # W x^T rounds differently in bfloat16
-    assert layouts.settled() and set(layouts.choices.values()) == {MatmulLayouts.PACKED}
-    layouts.ran.clear()
-    out = drafter.draft_logits(ids, D3DCache(), num_masks=3)
     assert set(layouts.ran) == {MatmulLayouts.PACKED}
     assert torch.equal(out, reference), "packed weights: nn.Linear's bits"
     assert layouts.packed_bytes > 0

@@ -290,7 +290,7 @@ def test_a_stale_calibration_is_measured_again_at_its_first_use(monkeypatch, tmp
 def test_calibration_key_follows_the_targets_attention(monkeypatch, tmp_path):
     """The verify curve measured with the target on `gqa_sdpa_attention_forward` (D3D's loop) is another key than
     with transformers' `"sdpa"` (e.g. a calibration made outside `target_gqa_attention`)."""
-    import d3d_hf.modeling.fast_paths_d3d as fast_paths
+    from d3d_hf.modeling.patches_d3d import target_gqa_attention
 
     monkeypatch.setenv("D3D_HF_CACHE", str(tmp_path))
     target = tiny_target("llama")
@@ -298,7 +298,7 @@ def test_calibration_key_follows_the_targets_attention(monkeypatch, tmp_path):
     good = (CostCurve({1: 0.01, 2: 0.012, 16: 0.02}), CostCurve({1: 0.01, 16: 0.02}))
     monkeypatch.setattr(calibration_d3d, "measure_cost_curves", lambda *a, **k: good)
     _, plain = calibration_d3d.policy_for(target, drafter)
-    with fast_paths.target_gqa_attention(target) as switched:
+    with target_gqa_attention(target) as switched:
         _, gqa = calibration_d3d.policy_for(target, drafter)
     assert switched and plain != gqa
     assert calibration_d3d.policy_for(target, drafter)[1] == plain

@@ -140,14 +140,16 @@ def test_shipped_drafter_fused_projections_on_smollm2(smollm2):
     drafter.attach_target_weights(model)
     assert drafter.model.fused_projections == "auto"
     ids = encode_prompt(tokenizer, load_prompts("humaneval", limit=1)[0])
-    with torch.no_grad():
+    from d3d_hf.modeling.patches_d3d import apply_fast_paths
+
+    with torch.no_grad(), apply_fast_paths(drafter):
         logits = {}
         for fused in (True, False):
             drafter.model.fused_projections = fused
             cache = D3DCache()
             drafter.draft_logits(ids[:, :-1], cache, num_masks=0)
             logits[fused] = drafter.draft_logits(ids[:, -1:], cache, num_masks=15)
-        assert drafter.model.fused_projections_bytes() == 0
+        assert drafter.model.fast_path_settings.fused_projections_bytes() == 0
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=2e-3)
     assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
     drafter.model.fused_projections = "auto"
@@ -155,14 +157,14 @@ def test_shipped_drafter_fused_projections_on_smollm2(smollm2):
     config = GenerationConfig(max_new_tokens=40, do_sample=False, d3d_num_drafts="full", d3d_prompt_lookup=False)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, generation_config=config)
     assert out[0].tolist() == ref[0].tolist()
-    assert drafter.model.fused_projections_bytes() > 100 * 2**20, "the fused copy was built and used"
+    assert drafter.model.fast_path_settings.fused_projections_bytes() > 100 * 2**20, "the fused copy was built and used"
     assert drafter.last_generation_stats.tau > 2.0
 
 
 def test_target_gqa_attention_verifications_are_bit_identical(smollm2):
     """SmolLM2 (9 query / 3 key-value heads) under `target_gqa_attention`: verification forwards of 2-16 rows over a
     cached prompt give transformers' logits bit for bit in float32."""
-    from d3d_hf.modeling.fast_paths_d3d import target_gqa_attention
+    from d3d_hf.modeling.patches_d3d import target_gqa_attention
     from transformers import DynamicCache
 
     model, tokenizer = smollm2

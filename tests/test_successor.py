@@ -103,7 +103,7 @@ def test_block_rows_on_target_routes_projection_groups_and_restores_the_modules(
     """The target's projections run the drafter's grouped path only while open: a projection called on an input
     other than its group's computes its own output (same values as the drafter's D3DLinear on those rows), and a
     forward the module had before (`target_matmul_layouts`) is restored on exit."""
-    from d3d_hf.modeling.fast_paths_d3d import target_matmul_layouts
+    from d3d_hf.experiments import target_matmul_layouts
 
     target = tiny_target("llama", seed=7)
     drafter = weight_sharing_drafter(target, block_size=4)

@@ -14,6 +14,7 @@ from .modeling import (
     D3DGenerationStats,
     D3DModel,
     D3DPreTrainedModel,
+    apply_fast_paths,
     install_generation_hook,
     remove_generation_hook,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "D3DGenerationStats",
     "D3DModel",
     "D3DPreTrainedModel",
+    "apply_fast_paths",
     "install_generation_hook",
     "remove_generation_hook",
 ]
