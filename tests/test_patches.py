@@ -134,6 +134,9 @@ def test_asynchronous_drafting_on_cpu_without_the_library_is_refused(monkeypatch
         "entry_points",
         lambda group=None, **kw: [] if group == options_d3d.EXPERIMENTS_GROUP else real(group=group, **kw),
     )
+    from d3d_hf.modeling import generation_d3d
+
+    monkeypatch.setattr(generation_d3d, "_WARNED", set())  # the CPU warning is given once per process
     target = tiny_target("llama", seed=3)
     drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
     ids = random_prompt(6)
