@@ -173,6 +173,12 @@ def test_every_method_matches_the_target_and_reports_rounds(pair):
     assert result["method_settings"]["d3d-async"]["hypotheses"] == 4
     assert result["method_settings"]["d3d-tree"]["tree_budget"] == 16
     assert result["method_settings"]["d3d-async"]["worker_threads"] == max(1, torch.get_num_threads() // 2)
+    # each method's settings are its own calls', not those of the D3D method that ran last
+    settings = result["method_settings"]
+    assert settings["d3d"]["options"]["d3d_draft_passes"] is True and settings["d3d"]["asynchronous"] is False
+    assert settings["engine-lookup"]["options"]["d3d_draft_passes"] is False
+    assert settings["d3d-async"]["asynchronous"] is True
+    assert settings["d3d-tree"]["options"]["d3d_tree_budget"] == 16 and settings["d3d"]["options"]["d3d_tree_budget"] is None
     assert result["summary"]["d3d"]["hit_rate"] is None
     assert 0.0 <= result["summary"]["d3d-async"]["hit_rate"] <= 1.0
     # the instrumentation is gone after the calls

@@ -90,11 +90,25 @@ def run_benchmark(
     recorder = RoundRecorder()
     runs: dict[str, list[PromptRun]] = {m: [] for m in methods}
 
+    recorded: dict[str, dict] = {}
+
+    def record(m: str) -> None:
+        """Keeps method `m`'s settings as its own call left them (a D3D method's come from the drafter's
+        `last_generation_stats`, which the next method's call replaces)."""
+        if METHODS[m].settings:
+            recorded[m] = METHODS[m].settings(res)
+
+    def settings_of(m: str) -> dict:
+        return recorded.get(m) or (METHODS[m].settings(res) if METHODS[m].settings else {})
+
     def call(m: str, input_ids: torch.LongTensor, new_tokens: int) -> torch.LongTensor:
         if METHODS[m].read_stats is None:
-            return _generate(target, input_ids, new_tokens, **kwargs[m])
-        with recorder.attach(target):
-            return _generate(target, input_ids, new_tokens, **kwargs[m])
+            output = _generate(target, input_ids, new_tokens, **kwargs[m])
+        else:
+            with recorder.attach(target):
+                output = _generate(target, input_ids, new_tokens, **kwargs[m])
+        record(m)
+        return output
 
     encoded = [encode_prompt(tokenizer, p).to(target.device) for p in prompts]
     if batch_size > 1:
@@ -112,6 +126,7 @@ def run_benchmark(
             warmup,
             progress,
             on_prompt,
+            record,
         )
         summary = {m: summarize(runs[m], runs["target"]) for m in methods}
         for m in methods:
@@ -119,7 +134,7 @@ def run_benchmark(
         return {
             "runs": {m: [asdict(r) for r in rs] for m, rs in runs.items()},
             "summary": summary,
-            "method_settings": {m: METHODS[m].settings(res) if METHODS[m].settings else {} for m in methods},
+            "method_settings": {m: settings_of(m) for m in methods},
         }
     if warmup:
         for m in methods:
@@ -153,7 +168,7 @@ def run_benchmark(
             on_prompt(prompt, per_method)
 
     summary = {m: summarize(runs[m], runs["target"]) for m in methods}
-    method_settings = {m: METHODS[m].settings(res) if METHODS[m].settings else {} for m in methods}
+    method_settings = {m: settings_of(m) for m in methods}
     return {
         "runs": {m: [asdict(r) for r in rs] for m, rs in runs.items()},
         "summary": summary,
@@ -216,9 +231,10 @@ def _run_batches(
     warmup,
     progress,
     on_prompt,
+    record,
 ) -> dict[str, list[PromptRun]]:
     """`run_benchmark`'s loop over batches of `batch_size` prompts (`d3d_hf.bench` docstring, "Batches"): one
-    `PromptRun` per batch and method."""
+    `PromptRun` per batch and method; `record(m)` keeps a method's settings after each of its calls."""
     pad_id = getattr(tokenizer, "pad_token_id", None)
     if pad_id is None:
         pad_id = target.generation_config.pad_token_id
@@ -242,6 +258,7 @@ def _run_batches(
         settings = {"max_new_tokens": new_tokens, "do_sample": False, "pad_token_id": pad_id, **kwargs[m]}
         if METHODS[m].batches:
             out, stats = generate(m, input_ids, mask, settings)
+            record(m)
             return [_generated(row, eos_ids) for row in out[:, input_ids.shape[1] :]], stats
         sequences, stats = [], []
         for row, row_mask in zip(input_ids, mask, strict=True):
@@ -249,6 +266,7 @@ def _run_batches(
             out, one = generate(m, ids, torch.ones_like(ids), settings)
             sequences.append(_generated(out[0, ids.shape[1] :], eos_ids))
             stats += one
+        record(m)
         return sequences, stats
 
     batches = [list(range(i, min(i + batch_size, len(prompts)))) for i in range(0, len(prompts), batch_size)]
