@@ -470,8 +470,9 @@ def experiment(name: str, asked: str | None = None) -> Any:
     what = asked or f"the `{PREFIX}{name}` experiment"
     raise ValueError(
         f"{what} is an experiment (or ablation) of the d3d-hf library, not of the drafter's remote-code bundle, and "
-        "d3d-hf is not installed here: `pip install d3d-hf` (then `import d3d_hf`, or load the drafter with "
-        "`d3d_hf.drafters.load_drafter`), or drop the option."
+        "d3d-hf is not installed here: install the d3d-hf library (in a clone of its repository, `pip install -e .`, "
+        "as its README does), then `import d3d_hf` (or load the drafter with `d3d_hf.drafters.load_drafter`); or "
+        "drop the option."
     )
 
 

@@ -238,3 +238,33 @@ def test_train_values_are_checked_before_loading(flags, message, tmp_path, no_mo
     argv = ["train", "--target", "t", "--data", str(tmp_path / "none"), "--output_dir", str(tmp_path / "out")]
     assert main(argv + ["--use_cpu"] + flags) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_missing_optional_package_is_one_error_line(monkeypatch, capsys):
+    """`d3d-hf train` without the training extras, and a prompt set whose package is not installed, end with one
+    `error:` line that names the install step, not a traceback."""
+    import builtins
+    import sys
+
+    real_import = builtins.__import__
+
+    def no_trl(name, *args, **kwargs):
+        if name in ("trl", "d3d_hf.training") or (name == "training" and "main" in (args[2] or ())):
+            raise ModuleNotFoundError("No module named 'trl'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "d3d_hf.training", raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_trl)
+    assert main(["train", "--help"]) == 2
+    assert "pip install -e '.[train]'" in capsys.readouterr().err
+    monkeypatch.setattr(builtins, "__import__", real_import)
+
+    from d3d_hf.cli import bench as bench_cli
+
+    def missing(*args, **kwargs):
+        raise ModuleNotFoundError("The 'mt-bench' prompt set needs the PyPI package 'flexeval': pip install flexeval")
+
+    monkeypatch.setattr(bench_cli, "load_prompts", missing, raising=False)
+    monkeypatch.setattr("d3d_hf.prompts.load_prompts", missing)
+    assert main(["bench", "--drafter", "x", "--prompts", "mt-bench", "--limit", "1"]) == 2
+    assert "error: The 'mt-bench' prompt set needs" in capsys.readouterr().err

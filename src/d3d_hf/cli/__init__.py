@@ -51,8 +51,15 @@ def main(argv: list[str] | None = None) -> int:
         # `train` takes every D3DTrainingConfig (trl.SFTConfig) field and `--config FILE.yaml`, parsed by trl.TrlParser
         import d3d_hf  # noqa: F401
 
-        from ..training import main as train_main
-
+        try:
+            from ..training import main as train_main
+        except ModuleNotFoundError as err:  # the training extras (trl, datasets) are not installed
+            print(
+                f"error: `d3d-hf train` needs the training extras ({err}): pip install -e '.[train]' in the "
+                "repository (the README's install command installs them)",
+                file=sys.stderr,
+            )
+            return 2
         try:
             return train_main(argv[1:])
         except (FileExistsError, FileNotFoundError, ValueError) as err:
@@ -68,6 +75,6 @@ def main(argv: list[str] | None = None) -> int:
     handlers.update({"push": _push, "convert": _convert, "prune": _prune, "magpie": _magpie})
     try:
         return handlers[args.command](args)
-    except (OSError, ValueError) as err:  # missing/corrupt files, bad values: one line saying what to change
+    except (OSError, ValueError, ModuleNotFoundError) as err:  # missing files or packages, bad values: one line
         print(f"error: {err}", file=sys.stderr)
         return 2

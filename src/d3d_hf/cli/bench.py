@@ -41,7 +41,9 @@ def _add_bench_parser(sub) -> None:
         help="prompts per generate call, left-padded (target and d3d decode a batch at once; pld, ar-assist, "
         "d3d-async and d3d-tree run its prompts one at a time); tokens/s is then of the whole batch",
     )
-    p.add_argument("--methods", default="target,d3d", help="comma-separated: target,pld,ar-assist,d3d,d3d-async")
+    from ..bench.methods import METHODS  # the registry, so that the help lists every registered method
+
+    p.add_argument("--methods", default="target,d3d", help=f"comma-separated, of: {','.join(METHODS)}")
     p.add_argument("--block-size", type=_positive_int, default=None, help="override the drafter's block size")
     add_generation_option_arguments(p)
     p.add_argument("--prompt-lookup-num-tokens", type=_positive_int, default=10, help="pld: tokens per draft")
