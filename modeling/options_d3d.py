@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import operator
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -30,15 +31,26 @@ from .runtime_d3d import default_worker_threads
 PREFIX = "d3d_"
 
 
+def _is_boolean(value: Any) -> bool:
+    """A Python `bool`, or numpy's or a 0-d torch tensor's boolean scalar."""
+    return (
+        isinstance(value, bool)
+        or type(value).__name__ in ("bool", "bool_")
+        or getattr(value, "dtype", None) == torch.bool
+    )
+
+
 def _whole_number(value: Any) -> int | None:
-    """`value` as an `int` when it is a whole number (an `int`, or a float such as `2.0`; never a `bool`), else None."""
-    if isinstance(value, bool):
+    """`value` as an `int` when it is a whole number (an `int`, a numpy or 0-d torch integer, or a float such as `2.0`;
+    never a boolean), else None."""
+    if _is_boolean(value):
         return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 class _Invalid(ValueError):
@@ -46,9 +58,9 @@ class _Invalid(ValueError):
 
 
 def _boolean(value: Any, block_size: int) -> bool:
-    if not isinstance(value, bool):
+    if not _is_boolean(value) or getattr(value, "ndim", 0) != 0:
         raise _Invalid
-    return value
+    return bool(value)
 
 
 def _num_drafts(value: Any, block_size: int) -> int | str:
@@ -61,9 +73,9 @@ def _num_drafts(value: Any, block_size: int) -> int | str:
 
 
 def _auto_or_boolean(value: Any, block_size: int) -> bool | str:
-    if value == "auto" or isinstance(value, bool):
+    if isinstance(value, str) and value == "auto":
         return value
-    raise _Invalid
+    return _boolean(value, block_size)
 
 
 def _num_hypotheses(value: Any, block_size: int) -> int:

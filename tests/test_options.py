@@ -47,6 +47,14 @@ def test_defaults_and_ranges():
     assert options.num_hypotheses == 4 and options.explicit == frozenset()
     assert D3DGenerationOptions.resolve(block_size=2).num_hypotheses == 2
     assert D3DGenerationOptions.resolve(block_size=8, d3d_num_drafts=7.0).num_drafts == 7
+    # numpy and 0-d torch scalars are the numbers and booleans they hold (kept as Python values, JSON-safe)
+    import numpy as np
+
+    scalars = D3DGenerationOptions.resolve(
+        block_size=8, d3d_num_drafts=np.int64(3), d3d_tree_budget=torch.tensor(5), d3d_prompt_lookup=np.bool_(False)
+    )
+    assert (scalars.num_drafts, scalars.tree_budget, scalars.prompt_lookup) == (3, 5, False)
+    assert type(scalars.num_drafts) is int and type(scalars.prompt_lookup) is bool
     for name, value, words in [
         ("d3d_num_drafts", 8, "[0, block_size - 1 = 7]"),
         ("d3d_num_drafts", True, "'adaptive', 'full'"),
@@ -54,6 +62,8 @@ def test_defaults_and_ranges():
         ("d3d_num_hypotheses", 0, "[1, block_size = 8]"),
         ("d3d_tree_budget", 0, "nodes >= 1"),
         ("d3d_prompt_lookup", 1, "True or False"),
+        ("d3d_num_drafts", np.bool_(True), "'adaptive', 'full'"),
+        ("d3d_tree_budget", torch.tensor(2.5), "nodes >= 1"),
     ]:
         with pytest.raises(ValueError, match=re.escape(words)):
             D3DGenerationOptions.resolve(block_size=8, **{name: value})
