@@ -66,6 +66,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .drafting_d3d import D3DCache
 from .fast_paths_d3d import GQA_SDPA, layout_mark
+from .generation_d3d import d3d_candidate_generator
 from .options_d3d import call_options, check_batch_options
 from .policy_d3d import SequenceState
 from .prompt_masks_d3d import check_prompt_mask, needs_batched_loop
@@ -579,15 +580,8 @@ def batched_assisted_decoding(
     if cache is None:
         raise RuntimeError("Assisted decoding requires a cache")
     _check_cache(cache)
-    generator = target._get_candidate_generator(
-        generation_config=generation_config,
-        input_ids=input_ids,
-        inputs_tensor=inputs_tensor,
-        assistant_model=assistant_model,
-        logits_processor=logits_processor,
-        target_tokenizer=tokenizer,
-        assistant_tokenizer=assistant_tokenizer,
-        model_kwargs=model_kwargs,
+    generator = d3d_candidate_generator(  # the call's state, built here (no detour through transformers' factory)
+        target, assistant_model, input_ids, generation_config, logits_processor, model_kwargs, tokenizer
     )
     stats = generator.stats
     stats.batch_size = batch

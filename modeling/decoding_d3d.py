@@ -31,6 +31,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batched_decoding_d3d import batched_assisted_decoding
 from .fast_paths_d3d import matmul_layouts
+from .generation_d3d import d3d_candidate_generator
 from .options_d3d import call_options, experiment
 from .patches_d3d import apply_fast_paths
 from .prompt_masks_d3d import needs_batched_loop
@@ -134,15 +135,8 @@ def d3d_assisted_decoding(
         raise RuntimeError("Assisted decoding requires a cache")
     if hasattr(cache, "activate_past_recording"):
         cache.activate_past_recording()
-    generator = target._get_candidate_generator(
-        generation_config=generation_config,
-        input_ids=input_ids,
-        inputs_tensor=inputs_tensor,
-        assistant_model=assistant_model,
-        logits_processor=logits_processor,
-        target_tokenizer=tokenizer,
-        assistant_tokenizer=assistant_tokenizer,
-        model_kwargs=model_kwargs,
+    generator = d3d_candidate_generator(  # the call's state, built here (no detour through transformers' factory)
+        target, assistant_model, input_ids, generation_config, logits_processor, model_kwargs, tokenizer
     )
     keep_logits = target._supports_logits_to_keep() if hasattr(target, "_supports_logits_to_keep") else False
     do_sample = bool(generation_config.do_sample)

@@ -18,8 +18,8 @@ from transformers import PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .async_rounds_d3d import PackedSuccessorDrafting
+from .checks_d3d import check_bundle_version, check_generate_inputs, check_prompt_and_drafter
 from .fast_paths_d3d import GQA_SDPA
-from .hooks_d3d import check_prompt_and_drafter
 from .options_d3d import D3DGenerationOptions, call_options, check_batch_options
 from .planner_d3d import DraftPasses, RoundPlanner
 from .proposer_d3d import DraftProposer
@@ -397,4 +397,33 @@ class D3DCandidateGenerator(CandidateGenerator):
             self.asynchronous_rounds.round_ends(input_ids)
 
 
-__all__ = ["D3DCandidateGenerator", "resolve_asynchronous"]
+def d3d_candidate_generator(
+    target,
+    drafter,
+    input_ids: torch.LongTensor,
+    generation_config,
+    logits_processor,
+    model_kwargs: dict | None,
+    target_tokenizer=None,
+) -> D3DCandidateGenerator:
+    """The call's `D3DCandidateGenerator`, as D3D's own loops build it (`decoding_d3d`, `batched_decoding_d3d`) and as
+    the patched candidate-generator factory builds it for transformers' loop (`hooks_d3d`): the drafter's bundle
+    version (`check_bundle_version`; also here, since the validation hook is skipped on some transformers) and
+    `generate`'s inputs (`check_generate_inputs`) first, then `drafter.build_candidate_generator`.
+
+    Raises:
+        ValueError: for what those checks and `D3DCandidateGenerator` refuse, before any forward pass.
+    """
+    check_bundle_version(drafter)
+    check_generate_inputs(drafter, input_ids, model_kwargs)
+    return drafter.build_candidate_generator(
+        input_ids=input_ids,
+        generation_config=generation_config,
+        logits_processor=logits_processor,
+        target_tokenizer=target_tokenizer,
+        target=target,
+        model_kwargs=model_kwargs,
+    )
+
+
+__all__ = ["D3DCandidateGenerator", "d3d_candidate_generator", "resolve_asynchronous"]

@@ -587,3 +587,29 @@ def test_speculative_sampling_preserves_the_target_distribution(options):
         assert packed_used > n // 10, "the packed successor blocks must be used often enough to be tested"
     p_value = chi_square_p_value(counts, exact, n)
     assert p_value > 1e-3, f"p={p_value:.2e}"
+
+
+def test_d3d_loops_build_the_call_state_without_transformers_factory(monkeypatch):
+    """Issue 36 item 2: D3D's own loop and its batched loop build the call's generator directly
+    (`generation_d3d.d3d_candidate_generator`), not through the patched `GenerationMixin._get_candidate_generator`;
+    transformers' loop (the `d3d_decoding_loop="transformers"` ablation) still gets it through the factory."""
+    from transformers.generation import GenerationMixin
+
+    target = tiny_target("llama")
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    asked = []
+    factory = GenerationMixin._get_candidate_generator
+
+    def counting(self, *args, **kwargs):
+        asked.append(1)
+        return factory(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", counting)
+    ids = random_prompt(7)
+    batch = torch.cat([random_prompt(7, seed=1), random_prompt(7, seed=2)])
+    kw = dict(assistant_model=drafter, do_sample=False, max_new_tokens=6, d3d_num_drafts=3)
+    assert torch.equal(target.generate(ids, **kw), target.generate(ids, do_sample=False, max_new_tokens=6))
+    target.generate(batch, attention_mask=torch.ones_like(batch), pad_token_id=0, **kw)
+    assert asked == [] and drafter.last_generation_stats.decoding_loop == "d3d"
+    target.generate(ids, d3d_decoding_loop="transformers", **kw)
+    assert asked == [1]

@@ -52,8 +52,9 @@ class RoundStats:
 class RoundRecorder:
     """Times the rounds of transformers' assisted-generation loop by instrumenting its candidate generator.
 
-    `with recorder.attach(target): target.generate(...)` makes the target's `_get_candidate_generator` (whatever
-    it resolves to, including the D3D hook) return its usual generator with `get_candidates` and
+    `with recorder.attach(target, drafter): target.generate(...)` makes the target's `_get_candidate_generator`
+    (whatever it resolves to, including the D3D hook) and a D3D drafter's `build_candidate_generator` (which D3D's
+    own loops call directly) return their usual generator with `get_candidates` and
     `update_candidate_strategy` wrapped (instance attributes, so `isinstance` checks still see the original
     class). Rounds are timed by one `RoundClock`: the generator's own when it keeps one (`round_clock`, as
     `D3DCandidateGenerator` does), else the recorder's. After the call, `stats()` holds the rounds of that call.
@@ -69,6 +70,9 @@ class RoundRecorder:
         self.acceptance_lengths: list[int] = []
 
     def _instrument(self, generator):
+        if getattr(generator, "_d3d_recorded", False):  # built by an instrumented drafter, seen again by the factory
+            return generator
+        generator._d3d_recorded = True
         times_itself = isinstance(getattr(generator, "round_clock", None), RoundClock)
         if times_itself:  # the generator keeps the round clock (D3D): read it instead of timing twice
             self.clock = generator.round_clock
@@ -95,23 +99,31 @@ class RoundRecorder:
         return generator
 
     @contextmanager
-    def attach(self, target) -> Iterator[RoundRecorder]:
-        """Instruments the candidate generators `target.generate` creates inside the block (resets first)."""
+    def attach(self, target, assistant=None) -> Iterator[RoundRecorder]:
+        """Instruments the candidate generators `target.generate` creates inside the block (resets first): those
+        transformers' factory builds, and those a D3D `assistant` builds itself for D3D's own loops (its
+        `build_candidate_generator`, which those loops call without the factory)."""
         self.reset()
-        factory = target._get_candidate_generator  # bound through the class: the D3D hook when installed
+        patched = [(target, "_get_candidate_generator")]  # bound through the class: the D3D hook when installed
+        if getattr(assistant, "build_candidate_generator", None) is not None:
+            patched.append((assistant, "build_candidate_generator"))
+        saved = []
+        for owner, name in patched:
+            build = getattr(owner, name)
+            saved.append((owner, name, owner.__dict__.get(name)))  # an instance-level patch of someone else
 
-        def instrumented_factory(*args, **kwargs):
-            return self._instrument(factory(*args, **kwargs))
+            def instrumented(*args, build=build, **kwargs):
+                return self._instrument(build(*args, **kwargs))
 
-        previous = target.__dict__.get("_get_candidate_generator")  # an instance-level patch of someone else
-        target.__dict__["_get_candidate_generator"] = instrumented_factory
+            owner.__dict__[name] = instrumented
         try:
             yield self
         finally:
-            if previous is None:
-                target.__dict__.pop("_get_candidate_generator", None)
-            else:
-                target.__dict__["_get_candidate_generator"] = previous
+            for owner, name, previous in saved:
+                if previous is None:
+                    owner.__dict__.pop(name, None)
+                else:
+                    owner.__dict__[name] = previous
 
     def stats(self) -> RoundStats:
         """The recorded rounds as `RoundStats` (no hits)."""

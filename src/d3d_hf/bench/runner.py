@@ -105,7 +105,7 @@ def run_benchmark(
         if METHODS[m].read_stats is None:
             output = _generate(target, input_ids, new_tokens, **kwargs[m])
         else:
-            with recorder.attach(target):
+            with recorder.attach(target, res.get("drafter")):
                 output = _generate(target, input_ids, new_tokens, **kwargs[m])
         record(m)
         return output
@@ -249,7 +249,7 @@ def _run_batches(
         method = METHODS[m]
         if method.read_stats is None:
             return target.generate(input_ids, attention_mask=mask, **settings), []
-        with recorder.attach(target):
+        with recorder.attach(target, res.get("drafter")):
             out = target.generate(input_ids, attention_mask=mask, **settings)
         return out, [method.read_stats(res, recorder)]
 
