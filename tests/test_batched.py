@@ -286,7 +286,9 @@ def test_smollm2_batch_with_the_shipped_drafter(smollm2):
         for i in range(len(prompts)):
             assert generated(out[i], ids.shape[1], eos) == alone[i], (plan, i)
         stats = drafter.last_generation_stats
-        assert stats.shared_target_cache and stats.accepted_drafts > 0
+        assert stats.shared_target_cache
+        if plan:  # the adaptive engine may, on a loaded machine, find no draft worth its pass: a fixed plan drafts
+            assert stats.accepted_drafts > 0
 
 
 @pytest.mark.slow
@@ -565,4 +567,6 @@ def test_smollm2_prompt_with_its_pad_id_without_attention_mask(smollm2):
     assert not torch.equal(reference, model.generate(ids, attention_mask=torch.ones_like(ids), **kw))
     drafter = load_drafter("d3d-smollm2-135m-instruct")
     assert torch.equal(model.generate(ids, assistant_model=drafter, **kw), reference)
+    # a fixed plan drafts every round (the adaptive engine's choice depends on the machine's load)
+    assert torch.equal(model.generate(ids, assistant_model=drafter, d3d_num_drafts=3, **kw), reference)
     assert drafter.last_generation_stats.accepted_drafts > 0
