@@ -4,6 +4,7 @@ PEFT drafters saved merged or as an adapter folder load through `load_drafter`, 
 `d3d-hf train --config FILE.yaml` and `d3d-hf data` output; evaluation prompts are refused."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -283,20 +284,27 @@ def _bench_is_lossless(model_folders, drafter_folder, tmp_path):
     assert json.loads(out.read_text())["summary"]["d3d"]["lossless_match"] == 1.0
 
 
-def test_peft_adapter_folder_loads_every_way(target, conversations, model_folders, tmp_path):
+def test_peft_adapter_folder_loads_every_way(target, conversations, model_folders, tmp_path, monkeypatch):
     trainer = D3DTrainer(
         _drafter(target), _config(tmp_path / "run", train_mode="peft", peft_lora_rank=4, peft_save_merged=False),
         train_dataset=conversations, processing_class=_tokenizer(),
     )  # fmt: skip
     _assert_trains(trainer)
-    folder = tmp_path / "adapter"
-    trainer.save_model(str(folder))
-    adapter = json.loads((folder / "adapter_config.json").read_text())
-    assert not (folder / "config.json").exists() and (folder / "adapter_model.safetensors").is_file()
-    # the drafter was made in memory: its unadapted weights were saved next to the adapter, and are named
-    assert adapter["base_model_name_or_path"] == str((folder / "base_drafter").resolve())
+    saved = tmp_path / "saved" / "adapter"
+    trainer.save_model(str(saved))
+    adapter = json.loads((saved / "adapter_config.json").read_text())
+    assert (saved / "adapter_model.safetensors").is_file()
+    # the drafter was made in memory: its unadapted weights are saved into the folder itself (transformers' layout
+    # for a local model with an embedded adapter), named relative to the folder
+    assert (saved / "config.json").is_file() and (saved / "model.safetensors").is_file()
+    assert adapter["base_model_name_or_path"] == "."
     assert "mask_embedding" in adapter["modules_to_save"]
-    assert "D3DTrainer (trl.SFTTrainer" in (folder / "README.md").read_text()  # the drafter's card, not PEFT's
+    assert "D3DTrainer (trl.SFTTrainer" in (saved / "README.md").read_text()  # the drafter's card, not PEFT's
+    # the folder is self-contained: moved, and loaded from another working directory, it loads every way
+    folder = tmp_path / "moved"
+    shutil.move(str(saved.parent), str(folder))
+    folder = folder / "adapter"
+    monkeypatch.chdir(tmp_path / "run")
     ids = random_prompt(6, seed=9)
     from d3d_hf import D3DCache
 
@@ -308,6 +316,9 @@ def test_peft_adapter_folder_loads_every_way(target, conversations, model_folder
     assert d3d_hf.load_drafter is load_drafter
     loaded = load_drafter(str(folder))
     assert type(loaded) is D3DForDiffusionDrafting
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    assert not any(isinstance(m, BaseTunerLayer) for m in loaded.modules())  # merged, plain layers
     with torch.no_grad():
         torch.testing.assert_close(loaded.draft_logits(ids, D3DCache()), want, rtol=1e-4, atol=1e-4)
     _assert_lossless(target, loaded)
@@ -320,11 +331,26 @@ def test_peft_adapter_folder_loads_every_way(target, conversations, model_folder
     # 3. PEFT itself, over the base drafter
     from peft import PeftModel
 
-    peft_model = PeftModel.from_pretrained(load_drafter(adapter["base_model_name_or_path"]), str(folder)).eval()
+    from d3d_hf.drafters import _load_base_without_adapter
+
+    base = _load_base_without_adapter(str(folder), torch.float32, "cpu")
+    with torch.no_grad():
+        assert not torch.allclose(base.draft_logits(ids, D3DCache()), want, rtol=1e-4, atol=1e-4)
+    peft_model = PeftModel.from_pretrained(base, str(folder)).eval()
     with torch.no_grad():
         torch.testing.assert_close(
             peft_model.base_model.model.draft_logits(ids, D3DCache()), want, rtol=1e-4, atol=1e-4
         )
+    # 4. a folder saved before the embedded layout (base in `base_drafter/`, named by absolute path), then moved
+    legacy = tmp_path / "legacy" / "adapter"
+    (legacy / "base_drafter").mkdir(parents=True)
+    for item in folder.iterdir():
+        inside = item.name.startswith("adapter_") or item.name == "README.md"
+        shutil.copy2(item, legacy / item.name if inside else legacy / "base_drafter" / item.name)
+    old_place = tmp_path / "old" / "adapter" / "base_drafter"
+    (legacy / "adapter_config.json").write_text(json.dumps({**adapter, "base_model_name_or_path": str(old_place)}))
+    with torch.no_grad():
+        torch.testing.assert_close(load_drafter(str(legacy)).draft_logits(ids, D3DCache()), want, rtol=1e-4, atol=1e-4)
 
 
 def test_train_command_with_a_yaml_config_and_peft(model_folders, conversations, tmp_path):

@@ -65,18 +65,28 @@ def _check_local_drafter_folder(folder: str) -> None:
 
 
 ADAPTER_CONFIG = "adapter_config.json"
+#: `base_model_name_or_path` of an adapter folder that holds its base drafter itself (config.json and weights beside
+#: `adapter_config.json`, transformers' layout for a local model with an embedded adapter): the folder, relative to
+#: itself. `D3DTrainer` writes it for a drafter made in memory, so that the folder loads wherever it is moved.
+EMBEDDED_BASE = "."
+#: where adapter folders saved by d3d-hf 0.1 before the embedded layout hold their base drafter
+BASE_DRAFTER_DIR = "base_drafter"
 
 
 def _adapter_base(folder: str) -> str | None:
-    """For a local PEFT adapter folder (`adapter_config.json`, no `config.json`), its base drafter
-    (`base_model_name_or_path`, relative to the folder when that exists, else as given); `None` for anything else.
+    """For a local PEFT adapter folder (`adapter_config.json`), its base drafter: the folder itself when it also holds
+    a `config.json` (the embedded layout); else `base_model_name_or_path`, resolved relative to the folder when that
+    exists there, else as given, else the folder's own `base_drafter/` (a folder saved before the embedded layout,
+    then moved). `None` for anything that is not an adapter folder.
 
     Raises:
         ValueError: if the adapter config is not valid JSON or names no base drafter.
     """
     config_file = os.path.join(folder, ADAPTER_CONFIG)
-    if not os.path.isfile(config_file) or os.path.isfile(os.path.join(folder, "config.json")):
+    if not os.path.isfile(config_file):
         return None
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
     try:
         with open(config_file, encoding="utf-8") as f:
             base = json.load(f).get("base_model_name_or_path")
@@ -88,7 +98,31 @@ def _adapter_base(folder: str) -> str | None:
             "drafter the adapter was trained on."
         )
     relative = os.path.join(folder, base)
-    return relative if os.path.isdir(relative) else base
+    if os.path.isdir(relative):
+        return relative
+    inside = os.path.join(folder, BASE_DRAFTER_DIR)
+    if not os.path.exists(base) and os.path.isfile(os.path.join(inside, "config.json")):
+        return inside  # the recorded absolute path went with the folder's old place
+    return base
+
+
+def _load_base_without_adapter(folder: str, dtype, device: str) -> D3DForDiffusionDrafting:
+    """The base drafter of an embedded-layout adapter folder, without its adapter: transformers applies an adapter it
+    finds beside a config.json, so the base is loaded from a temporary folder that links every file but the
+    adapter's."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as view:
+        for name in os.listdir(folder):
+            if name.startswith("adapter_"):
+                continue
+            source, link = os.path.abspath(os.path.join(folder, name)), os.path.join(view, name)
+            try:
+                os.symlink(source, link)
+            except OSError:  # no symlinks on this file system: copy
+                (shutil.copytree if os.path.isdir(source) else shutil.copy2)(source, link)
+        return load_drafter(view, dtype=dtype, device=device)
 
 
 def _load_adapter_drafter(folder: str, base: str, dtype, device: str) -> D3DForDiffusionDrafting:
@@ -100,7 +134,10 @@ def _load_adapter_drafter(folder: str, base: str, dtype, device: str) -> D3DForD
         raise ValueError(f"{folder} holds a PEFT adapter: loading it needs peft (pip install 'd3d-hf[train]').") from (
             err
         )
-    drafter = load_drafter(base, dtype=dtype, device=device)
+    if base == folder:
+        drafter = _load_base_without_adapter(folder, dtype, device)
+    else:
+        drafter = load_drafter(base, dtype=dtype, device=device)
     return PeftModel.from_pretrained(drafter, folder).merge_and_unload().to(device).eval()
 
 
@@ -113,9 +150,10 @@ def load_drafter(
         name_or_path (`str`): a shipped drafter's name (`KNOWN_DRAFTERS`, e.g. `d3d-smollm2-135m-instruct`), a
             folder written by `save_pretrained` (or `d3d-hf init-drafter`, `d3d-hf train`) or a hub id. A drafter
             that shares its target's weights is returned unattached: `target.generate(...,
-            assistant_model=drafter)` attaches them. A local PEFT adapter folder (`adapter_config.json` and no
-            `config.json`, as `D3DTrainer` writes with `peft_save_merged=False`) loads its base drafter
-            (`base_model_name_or_path`), applies the adapter through PEFT and returns the merged drafter.
+            assistant_model=drafter)` attaches them. A local PEFT adapter folder (`adapter_config.json`, as `D3DTrainer`
+            writes with `peft_save_merged=False`) loads its base drafter (the folder's own config.json and weights
+            when it holds them, else `base_model_name_or_path`, relative to the folder where it lies inside it),
+            applies the adapter through PEFT and returns the merged drafter. Such a folder loads after it is moved.
         dtype (`torch.dtype` or `str`, defaults to `torch.float32`): weight dtype.
         device (`str`, defaults to `"cpu"`): device to load to.
 
@@ -155,8 +193,8 @@ def load_drafter_config(name_or_path: str) -> D3DConfig:
     """
     name_or_path = resolve_drafter(name_or_path)
     base = _adapter_base(name_or_path)
-    if base is not None:  # a PEFT adapter folder: its base drafter's config (the adapter changes no config field)
-        return load_drafter_config(base)
+    if base is not None and base != name_or_path:  # a PEFT adapter folder: its base drafter's config (the adapter
+        return load_drafter_config(base)  # changes no config field); an embedded base is read below
     looks_local = os.path.sep in name_or_path or name_or_path.startswith(".") or os.path.exists(name_or_path)
     if looks_local:
         _check_local_drafter_folder(name_or_path)
@@ -216,6 +254,8 @@ def draft_vocabulary(token_rows, size: int, vocab_size: int, always: list[int] |
 
 
 __all__ = [
+    "BASE_DRAFTER_DIR",
+    "EMBEDDED_BASE",
     "draft_vocabulary",
     "KNOWN_DRAFTERS",
     "D3DForDiffusionDrafting",

@@ -14,6 +14,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from trl import SFTTrainer
 from trl.data_utils import get_dataset_column_names
 
+from ..drafters import BASE_DRAFTER_DIR, EMBEDDED_BASE
 from ..modeling import D3DForDiffusionDrafting
 from ..prompts import refuse_evaluation_rows
 from .callbacks import TauCallback, _EpochCallback
@@ -25,7 +26,6 @@ from .objective import d3d_losses
 PEFT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections `train_mode="peft"` adapts when no `peft_config` is given."""
 
-BASE_DRAFTER_DIR = "base_drafter"
 """Subfolder of an adapter folder (`peft_save_merged=False`) that holds a base drafter that had no folder of its own."""
 
 
@@ -379,20 +379,22 @@ class D3DTrainer(SFTTrainer):
             config = peft_model.peft_config[peft_model.active_adapter]
             base = self.drafter.name_or_path
             if not base or not (os.path.isdir(base) and os.path.isfile(os.path.join(base, "config.json"))):
-                # a drafter made in memory: its unadapted weights go next to the adapter
-                base_folder = Path(output_dir) / BASE_DRAFTER_DIR
+                # a drafter made in memory: its unadapted weights go into the adapter folder itself, transformers'
+                # layout for a local model with an embedded adapter, so that the folder loads wherever it is moved
                 unadapted = copy.deepcopy(peft_model).unload()
                 unadapted.__dict__.pop("forward", None)
-                unadapted.save_pretrained(base_folder, tokenizer=tokenizer)
-                base = str(base_folder.resolve())
-            elif os.path.isdir(base):
+                unadapted.save_pretrained(output_dir, tokenizer=tokenizer, model_card=False)
+                base = EMBEDDED_BASE
+            else:
                 base = os.path.abspath(base)  # found from any working directory
             config.base_model_name_or_path = base
             from ..hub import is_generated_card, write_model_card
 
             readme = Path(output_dir) / "README.md"
             users_card = readme.exists() and not is_generated_card(readme)
-            peft_model.save_pretrained(output_dir)  # writes PEFT's generic card, which the drafter's replaces
+            # the embeddings are never resized: no hub lookup of the base to find out; PEFT writes its generic card,
+            # which the drafter's replaces
+            peft_model.save_pretrained(output_dir, save_embedding_layers=False)
             if tokenizer is not None:
                 tokenizer.save_pretrained(output_dir)
             write_model_card(self.drafter, output_dir, overwrite=not users_card)
@@ -428,4 +430,4 @@ class D3DTrainer(SFTTrainer):
         return tokens / rounds if rounds else math.nan
 
 
-__all__ = ["BASE_DRAFTER_DIR", "PEFT_TARGET_MODULES", "D3DTrainer"]
+__all__ = ["BASE_DRAFTER_DIR", "EMBEDDED_BASE", "PEFT_TARGET_MODULES", "D3DTrainer"]
