@@ -209,6 +209,26 @@ def test_duplicate_ids(tmp_path):
         load_prompts(path)
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_file_that_is_not_utf8_names_the_file_and_line(tmp_path, suffix, capsys):
+    data = b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n'  # Latin-1 on line 2
+    path = tmp_path / f"p{suffix}"
+    path.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}, line 2: not UTF-8 text .*0xe9.*Save the file as"):
+        load_prompts(str(path))
+    # the same through `d3d-hf bench --prompts`: one error line, before any model loads
+    from d3d_hf.cli import main
+
+    assert main(["bench", "--target", str(tmp_path / "no-target"), "--prompts", str(path), "--methods", "target"]) != 0
+    assert f"error: {path}, line 2: not UTF-8 text" in capsys.readouterr().err
+
+
+def test_utf8_file_with_a_byte_order_mark(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "caf\u00e9"}).encode() + b"\n")
+    assert load_prompts(str(path))[0].messages[0]["content"] == "caf\u00e9"
+
+
 @pytest.mark.parametrize("content", ["", "\n\n  \n"])
 def test_empty_file(tmp_path, content):
     path = tmp_path / "p.jsonl"

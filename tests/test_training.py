@@ -48,7 +48,7 @@ def _answered_rows(target, count, same_length=False):
 @pytest.fixture(scope="module")
 def dataset(target):
     rows = _answered_rows(target, 12)
-    rows.append({"prompt_ids": [5, 6, 7], "response_ids": []})  # empty response: no block, no AR token
+    rows.append({"prompt_ids": [5, 6, 7], "response_ids": [8]})  # a one-token response: the shortest with a target
     return Dataset.from_list(rows)
 
 
@@ -477,8 +477,8 @@ def _edge_config(tmp_path, **kwargs):
 
 @pytest.mark.parametrize("mode", ["block_adapter", "full"])
 def test_training_on_batches_with_nothing_to_score(target, tmp_path, mode):
-    """Every row too short for a block or a next-token target: training steps run (zero loss) instead of failing in
-    `backward`."""
+    """Every row too short for a block or a next-token target: the losses are zero and stay on the graph (a
+    collator's batch can be so), and `D3DTrainer` refuses such rows before any step rather than train on nothing."""
     from datasets import Dataset
 
     rows = Dataset.from_list([{"prompt_ids": [3 + i], "response_ids": []} for i in range(4)])
@@ -488,11 +488,8 @@ def test_training_on_batches_with_nothing_to_score(target, tmp_path, mode):
     assert float(losses["block_loss"].detach()) == float(losses["ar_loss"].detach()) == 0.0
     assert losses["block_loss"].requires_grad, "a zero loss must stay on the graph so that backward works"
     config = _edge_config(tmp_path, train_mode=mode, logging_nan_inf_filter=False)
-    trainer = D3DTrainer(drafter, config, train_dataset=rows, processing_class=TOKENIZER)
-    trainer.train()
-    logged = [h for h in trainer.state.log_history if "loss" in h]
-    assert logged and all(h["loss"] == 0.0 for h in logged)
-    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    with pytest.raises(ValueError, match=r"4 of 4 rows of `train_dataset` have an empty `response_ids`"):
+        D3DTrainer(drafter, config, train_dataset=rows, processing_class=TOKENIZER)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -192,10 +192,18 @@ def _parse_jsonl(path: Path) -> list[Prompt]:
     opener = gzip.open if path.suffix.lower() == ".gz" else open
     prompts: list[Prompt] = []
     seen: dict[str, int] = {}
-    with opener(path, "rt", encoding="utf-8") as f:
-        for index, line in enumerate(f):
+    with opener(path, "rb") as f:  # read as bytes, so that a line that is not UTF-8 is named
+        for index, data in enumerate(f):
             lineno = index + 1
             where = f"{path}, line {lineno}"
+            try:
+                line = data.decode("utf-8-sig" if index == 0 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{where}: not UTF-8 text (byte 0x{data[e.start]:02x} at byte {e.start + 1} of the line cannot be "
+                    "decoded). Save the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 FILE > FILE.utf8.jsonl` for "
+                    "a Latin-1 file."
+                ) from None
             if not line.strip():
                 continue
             try:

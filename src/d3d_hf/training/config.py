@@ -56,8 +56,9 @@ class D3DTrainingConfig(SFTConfig):
             `train_mode="peft"` when the trainer gets no `peft_config`.
         peft_save_merged (`bool`, defaults to `True`): with PEFT, the final `save_model` writes the drafter with the
             LoRA weights merged in (a plain drafter folder); `False` writes the PEFT adapter folder instead, whose
-            `adapter_config.json` names the base drafter (saved to `output_dir/base_drafter` when it has no folder
-            of its own). Checkpoints (`checkpoint-N`) always hold the adapter, so that runs resume.
+            `adapter_config.json` names the base drafter's folder, or `"."` when the base had no folder and was
+            saved into `output_dir` itself beside the adapter (the folder then loads wherever it is moved).
+            Checkpoints (`checkpoint-N`) always hold the adapter, so that runs resume.
 
     Evaluation of tau during training:
         tau_eval_steps (`int`, defaults to 0): every this many steps, measure tau through

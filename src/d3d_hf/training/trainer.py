@@ -22,6 +22,7 @@ from .checkpoints import is_complete_checkpoint, last_complete_checkpoint
 from .collator import D3DDataCollator
 from .config import D3DTrainingConfig
 from .objective import d3d_losses
+from .rows import check_max_length, check_training_rows
 
 PEFT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections `train_mode="peft"` adapts when no `peft_config` is given."""
@@ -79,8 +80,10 @@ class D3DTrainer(SFTTrainer):
 
     Raises:
         ValueError: if `model` is not a D3D drafter, `args` is not a `D3DTrainingConfig`, no tokenizer is given
-            or found, `peft_config` comes with `train_mode="full"`, the block size is < 2, tau evaluation is
-            requested without a target and prompts, or a dataset holds evaluation prompts.
+            or found, `peft_config` comes with `train_mode="full"`, the block size is < 2 or above `max_length`, tau
+            evaluation is requested without a target and prompts, a dataset holds evaluation prompts, is empty or
+            has rows with nothing to learn (`d3d_hf.training.rows.check_training_rows`), or truncation to
+            `max_length` leaves no row to learn from.
     """
 
     _tag_names = ["trl", "sft", "d3d", "speculative-decoding"]
@@ -109,7 +112,9 @@ class D3DTrainer(SFTTrainer):
         self.block_size = args.block_size or model.config.block_size
         if self.block_size < 2:
             raise ValueError(f"Training needs a block size >= 2, got {self.block_size}.")
+        check_max_length(args.max_length, self.block_size)
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            check_training_rows(dataset, name, args.dataset_text_field)
             datasets = dataset.values() if isinstance(dataset, dict) else [dataset]
             for part in datasets:
                 if part is not None:
@@ -148,6 +153,12 @@ class D3DTrainer(SFTTrainer):
             peft_config=peft_config,
             **kwargs,
         )
+        if self.train_dataset is not None and hasattr(self.train_dataset, "__len__") and not len(self.train_dataset):
+            raise ValueError(
+                f"No row of `train_dataset` keeps a token to learn within max_length={args.max_length}: TRL drops the "
+                "rows whose learned tokens truncation cuts off (a prompt longer than max_length). Raise max_length, "
+                "or pass truncation_mode='keep_end'."
+            )
         if isinstance(collator, D3DDataCollator):
             self.add_callback(_EpochCallback(collator))
         if args.tau_eval_steps:
