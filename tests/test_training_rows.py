@@ -103,6 +103,33 @@ def test_many_bad_rows_are_counted_and_the_first_named(target, tmp_path):
         check_training_rows(Dataset.from_list(rows), "train_dataset")
 
 
+def test_ids_outside_the_vocabulary_are_refused(target, tmp_path, no_forward):
+    """Rows tokenized by another tokenizer: named before the embedding lookup fails mid-training (ids read across
+    the dataset's arrow chunks and its row order)."""
+    from datasets import concatenate_datasets
+
+    vocab = target.config.vocab_size
+    good = Dataset.from_list([{"prompt_ids": [3, 4], "response_ids": [5, 6, 7]}] * 3)
+    bad = Dataset.from_list(
+        [{"prompt_ids": [3, 4], "response_ids": [5, vocab]}, {"prompt_ids": [-1], "response_ids": [5]}]
+    )
+    dataset = concatenate_datasets([good, bad])
+    with pytest.raises(
+        ValueError, match=rf"2 of 5 rows .* outside the drafter's vocabulary \[0, {vocab}\) \(rows 3, 4\)"
+    ):
+        _trainer(target, dataset, tmp_path)
+    with pytest.raises(ValueError, match=r"\(rows 0, 1\)"):
+        _trainer(target, dataset.select([3, 4, 0]), tmp_path)
+    with pytest.raises(ValueError, match=r"1 of 1 rows .* outside"):
+        _trainer(target, Dataset.from_list([{"input_ids": [3, vocab + 5]}]), tmp_path)
+
+
+def test_an_assistant_turn_without_content_is_no_assistant_turn(target, tmp_path):
+    rows = [GOOD, {"messages": [{"role": "user", "content": "t3"}, {"role": "assistant", "content": None}]}]
+    with pytest.raises(ValueError, match=r"1 of 2 rows .*\(row 1\)"):
+        check_training_rows(Dataset.from_list(rows), "train_dataset")
+
+
 def test_rows_with_something_to_learn_pass(target, tmp_path):
     rows = [GOOD, {**_chat("t3", "t4"), "extra": 1}]
     check_training_rows(Dataset.from_list(rows), "train_dataset")

@@ -30,7 +30,9 @@ def _learned(content) -> bool:
 
 
 def _has_assistant_turn(messages) -> bool:
-    return any(m.get("role") == "assistant" and _learned(m.get("content")) for m in messages or [])
+    if not isinstance(messages, (list, tuple)):
+        return False
+    return any(isinstance(m, dict) and m.get("role") == "assistant" and _learned(m.get("content")) for m in messages)
 
 
 def _any_learned_id(row: dict) -> bool:
@@ -87,7 +89,41 @@ def _rule(columns: set[str], text_field: str) -> tuple[Callable[[dict], bool], l
     return None  # a format TRL names in its own error
 
 
-def check_training_rows(dataset, where: str, text_field: str = "text") -> None:
+ID_COLUMNS = ("prompt_ids", "response_ids", "input_ids")
+
+
+def _check_ids(dataset, where: str, vocab_size: int) -> None:
+    """Refuses token ids outside `[0, vocab_size)` (rows tokenized by another tokenizer), before an embedding lookup
+    fails on them in the middle of training."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    columns = [c for c in ID_COLUMNS if c in dataset.column_names]
+    if not columns:
+        return
+    table = dataset.with_format("arrow")[:]
+    bad: set[int] = set()
+    for column in columns:
+        values = table.column(column)
+        if not (pa.types.is_list(values.type) or pa.types.is_large_list(values.type)):
+            continue  # not a list column: TRL or the collator names it
+        flat = pc.list_flatten(values)
+        if not len(flat):
+            continue
+        parents = pc.list_parent_indices(values)
+        outside = pc.or_(pc.less(flat, 0), pc.greater_equal(flat, vocab_size))
+        bad.update(pc.filter(parents, outside).to_pylist())
+    if bad:
+        rows = sorted(bad)
+        shown = ", ".join(str(i) for i in rows[:SHOWN]) + (", ..." if len(rows) > SHOWN else "")
+        raise ValueError(
+            f"{len(rows)} of {len(dataset)} rows of `{where}` hold token ids outside the drafter's vocabulary "
+            f"[0, {vocab_size}) ({'row' if len(rows) == 1 else 'rows'} {shown}): they were tokenized with another "
+            "tokenizer. Tokenize them with the target's tokenizer (or regenerate them with `d3d-hf data`)."
+        )
+
+
+def check_training_rows(dataset, where: str, text_field: str = "text", vocab_size: int | None = None) -> None:
     """Refuses a dataset with no row, or with rows that hold nothing to learn.
 
     Args:
@@ -96,19 +132,21 @@ def check_training_rows(dataset, where: str, text_field: str = "text") -> None:
             consume a stream).
         where (`str`): the argument's name in the error (`"train_dataset"`, `"eval_dataset"`).
         text_field (`str`, defaults to `"text"`): `dataset_text_field` of the config.
+        vocab_size (`int`, *optional*): the drafter's vocabulary size; given, pre-tokenized rows (`prompt_ids`,
+            `response_ids`, `input_ids`) must hold ids in `[0, vocab_size)`.
 
     Raises:
         ValueError: naming `where`, if the dataset has no row; or naming how many and which rows (the first five
             indices) have nothing to learn, for the format TRL reads: `prompt_ids` / `response_ids` with an empty
             response, `messages` without an assistant turn that has content, `prompt` / `completion` with an empty
-            completion, `input_ids` with no learned token after the first, or an empty text. The message says what
-            to change.
+            completion, `input_ids` with no learned token after the first, or an empty text; or which rows hold
+            token ids outside `[0, vocab_size)`. The message says what to change.
     """
     if dataset is None:
         return
     if isinstance(dataset, dict):
         for name, part in dataset.items():
-            check_training_rows(part, f"{where}[{name!r}]", text_field)
+            check_training_rows(part, f"{where}[{name!r}]", text_field, vocab_size)
         return
     if _is_empty(dataset):
         raise ValueError(
@@ -117,6 +155,8 @@ def check_training_rows(dataset, where: str, text_field: str = "text") -> None:
         )
     if not hasattr(dataset, "__len__") or not getattr(dataset, "column_names", None):
         return
+    if vocab_size is not None:
+        _check_ids(dataset, where, vocab_size)
     rule = _rule(set(dataset.column_names), text_field)
     if rule is None:
         return

@@ -114,7 +114,7 @@ class D3DTrainer(SFTTrainer):
             raise ValueError(f"Training needs a block size >= 2, got {self.block_size}.")
         check_max_length(args.max_length, self.block_size)
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            check_training_rows(dataset, name, args.dataset_text_field)
+            check_training_rows(dataset, name, args.dataset_text_field, model.config.vocab_size)
             datasets = dataset.values() if isinstance(dataset, dict) else [dataset]
             for part in datasets:
                 if part is not None:
