@@ -215,6 +215,28 @@ def test_prune_command_on_smollm2(smollm2, tmp_path, capsys):
     assert main([*argv[:-2], "--output", str(drafter_dir)]) == 2  # a non-empty folder without a state is refused
     assert "not empty" in capsys.readouterr().err
     assert main([*argv[:5], "--prompts", "humaneval", *argv[7:]]) == 2
+    # the paper's recipe: fine-tune after each removal, here on a few rows of the target's own answers
+    _, tokenizer = smollm2
+    rows = tmp_path / "rows.jsonl"
+    texts = [("Name a prime number.", "Seven is a prime number."), ("Say hello.", "Hello! How can I help you today?")]
+    rows.write_text(
+        "".join(
+            json.dumps({"prompt_ids": tokenizer(q)["input_ids"], "response_ids": tokenizer(a)["input_ids"]}) + "\n"
+            for q, a in texts * 2
+        )
+    )
+    tuned_out = tmp_path / "tuned"
+    tune = ["--finetune-data", str(rows), "--finetune-steps", "2", "--finetune-batch-size", "2"]
+    assert main([*argv[:-2], "--output", str(tuned_out), *tune]) == 0
+    record = json.loads((tuned_out / "pruning_path.json").read_text())
+    step = record["steps"][1]
+    assert step["finetune_seconds"] > 0 and step["tau_before_finetune"] is not None
+    assert record["finetune"]["rows"] == 4 and record["finetune"]["steps"] == 2
+    assert (tuned_out / "step-01" / "config.json").is_file()
+    tuned = D3DForDiffusionDrafting.from_pretrained(tuned_out)
+    assert tuned.config.num_hidden_layers == 2
+    assert not torch.equal(tuned.model.layers[0].mlp.down_proj.weight, reloaded.model.layers[0].mlp.down_proj.weight)
+    assert main([*argv[:-2], "--output", str(tmp_path / "x"), "--finetune-max-samples", "3"]) == 2  # needs data
 
 
 def _adapted(target, rank=6):
@@ -276,3 +298,143 @@ def test_truncate_block_adapters_errors():
         with pytest.raises(ValueError, match=r"whole number in \[1, 4\]"):
             truncate_block_adapters(drafter, bad)
     assert drafter.config.block_lora_rank == 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pruning with fine-tuning after each removal (the paper's recipe)
+
+
+def test_pruning_with_an_identity_finetune_follows_the_same_path():
+    """A fine-tune that changes nothing: every step prunes the returned copy, and the path is the in-place one."""
+    target = tiny_target(sharpen=4.0, num_layers=5)
+    drafter = _drafter(target, seed=1)
+    prompts = _prompts(2)
+    _, plain = prune_drafter(drafter, target, prompts, num_layers=2, max_new_tokens=16, progress=False)
+    calls = []
+
+    def finetune(pruned, step):
+        calls.append((step, pruned.config.num_hidden_layers, list(pruned.config.pruned_layer_ids)))
+        return pruned
+
+    tuned, steps = prune_drafter(
+        drafter, target, prompts, num_layers=2, max_new_tokens=16, progress=False, finetune=finetune
+    )
+    assert calls == [(s.step, s.num_layers, s.kept_layers) for s in plain[1:]]
+    assert [s.kept_layers for s in steps] == [s.kept_layers for s in plain]
+    assert [s.tau for s in steps] == pytest.approx([s.tau for s in plain])
+    assert [s.tau_before_finetune for s in steps[1:]] == pytest.approx([s.tau for s in plain[1:]])
+    assert all(s.finetune_seconds is not None for s in steps[1:]) and steps[0].finetune_seconds is None
+    assert tuned.config.pruned_layer_ids == steps[-1].kept_layers
+
+
+def test_each_step_prunes_the_finetuned_drafter():
+    """The candidates of a step are scored on the drafter the previous fine-tune returned, and tau is measured after
+    fine-tuning."""
+    target = tiny_target(sharpen=4.0, num_layers=4)
+    drafter = _drafter(target, seed=2)
+    prompts = _prompts(2)
+    continuations = target_continuations(target, prompts, 16)
+    returned = {}
+
+    def finetune(pruned, step):  # a stand-in for training: moves the weights
+        with torch.no_grad():
+            for i, layer in enumerate(pruned.model.layers):
+                layer.mlp.down_proj.weight.mul_(-4.0 * (i + step))
+        returned[step] = pruned
+        return pruned
+
+    def tau(model, keep=None):
+        keep = list(range(model.config.num_hidden_layers)) if keep is None else keep
+        with layer_subset(model, keep):
+            total = [offline_acceptance(model, p, c, 16, [2]) for p, c in zip(prompts, continuations, strict=True)]
+        return sum(r.new_tokens for r in total) / sum(r.rounds for r in total)
+
+    kwargs = dict(num_layers=2, max_new_tokens=16, progress=False, finetune=finetune)
+    _, steps = prune_drafter(drafter, target, prompts, **kwargs)
+    assert steps[1].tau == pytest.approx(tau(returned[1]))
+    first = returned[1]
+    kept = steps[1].kept_layers
+    expected = {str(layer): tau(first, [kept.index(i) for i in kept if i != layer]) for layer in kept}
+    assert steps[2].candidates == pytest.approx(expected)
+    untuned = {str(layer): tau(drafter, [i for i in kept if i != layer]) for layer in kept}
+    assert untuned != pytest.approx(expected)  # the fine-tune mattered: the test can tell the two apart
+
+
+def test_finetuned_pruning_resumes_from_the_saved_step(tmp_path):
+    target = tiny_target(sharpen=4.0, num_layers=5)
+    drafter = _drafter(target, seed=1)
+    prompts = _prompts(2)
+    calls = []
+
+    def finetune(pruned, step):
+        calls.append(step)
+        with torch.no_grad():
+            pruned.model.layers[0].mlp.down_proj.weight.mul_(1.1)
+        return pruned
+
+    kwargs = dict(max_new_tokens=16, progress=False, finetune=finetune)
+    _, straight = prune_drafter(drafter, target, prompts, num_layers=2, **kwargs)
+    calls.clear()
+    prune_drafter(drafter, target, prompts, num_layers=4, state_dir=tmp_path, **kwargs)
+    assert calls == [1] and (tmp_path / "step-01" / "config.json").is_file()
+    resumed_drafter, resumed = prune_drafter(drafter, target, prompts, num_layers=2, state_dir=tmp_path, **kwargs)
+    assert calls == [1, 2, 3]
+    assert [s.kept_layers for s in resumed] == [s.kept_layers for s in straight]
+    assert [s.tau for s in resumed] == pytest.approx([s.tau for s in straight])
+    assert resumed_drafter.config.num_hidden_layers == 2
+    with pytest.raises(ValueError, match="other settings"):  # a state of the other kind
+        prune_drafter(drafter, target, prompts, num_layers=2, state_dir=tmp_path, max_new_tokens=16, progress=False)
+    import shutil
+
+    shutil.rmtree(tmp_path / "step-03")
+    (tmp_path / "pruning_state.json").write_text(
+        (tmp_path / "pruning_state.json").read_text()
+    )  # the state still names step 3
+    with pytest.raises(FileNotFoundError, match="step-03"):
+        prune_drafter(drafter, target, prompts, num_layers=1, state_dir=tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize("shares", [False, True])
+def test_trainer_finetune_trains_each_pruned_drafter(tmp_path, shares):
+    from _tiny import tiny_tokenizer
+    from datasets import Dataset
+
+    from d3d_hf.pruning import trainer_finetune
+    from d3d_hf.training import D3DTrainingConfig
+
+    target = tiny_target(sharpen=4.0, num_layers=4)
+    drafter = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4, shares_target_weights=shares)
+    drafter.add_block_adapter(4)
+    if shares:
+        drafter.attach_target_weights(target)
+    prompts = _prompts(2)
+    rows = []
+    for i in range(8):
+        ids = random_prompt(5, seed=50 + i)
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+        rows.append({"prompt_ids": ids[0].tolist(), "response_ids": out[0, ids.shape[1] :].tolist()})
+    args = D3DTrainingConfig(
+        output_dir=str(tmp_path / "finetune"), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
+        save_strategy="no", use_cpu=True, report_to="none", disable_tqdm=True, anchors_per_sequence=2,
+        train_mode="block_adapter" if shares else "full",
+    )  # fmt: skip
+    finetune = trainer_finetune(Dataset.from_list(rows), args, target=target, processing_class=tiny_tokenizer())
+    before = {}
+
+    def recording(pruned, step):
+        before[step] = {k: v.clone() for k, v in pruned.state_dict().items()}
+        return finetune(pruned, step)
+
+    tuned, steps = prune_drafter(
+        drafter, target, prompts, num_layers=2, max_new_tokens=16, progress=False, finetune=recording
+    )
+    assert [s.num_layers for s in steps] == [4, 3, 2] and tuned.config.num_hidden_layers == 2
+    changed = [k for k, v in tuned.state_dict().items() if k in before[2] and not torch.equal(v, before[2][k])]
+    assert changed, "the fine-tune trained nothing"
+    assert args.output_dir == str(tmp_path / "finetune")  # the caller's config is not changed
+    assert "forward" not in tuned.__dict__  # no training-time forward left bound to the returned drafter
+    ids = torch.tensor([prompts[0]])
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=tuned, max_new_tokens=12,
+                          do_sample=False)  # fmt: skip
+    assert torch.equal(out, ref)

@@ -26,7 +26,7 @@ import copy
 import json
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -258,7 +258,11 @@ class PruningStep:
         tau (`float`): calibration tau after this step.
         tau_retention (`float`): `tau / baseline tau`.
         draft_ms (`float`): mean wall time of one drafter pass (one block) during the calibration replay, ms.
-        candidates (`dict[str, float]`): tau with each candidate layer removed (key: unpruned index).
+        candidates (`dict[str, float]`): tau with each candidate layer removed (key: unpruned index), before any
+            fine-tuning of this step.
+        tau_before_finetune (`float`, *optional*): with fine-tuning, the calibration tau of the pruned drafter before
+            it was fine-tuned (`tau` is after); `None` without.
+        finetune_seconds (`float`, *optional*): wall time of this step's fine-tuning, seconds; `None` without.
     """
 
     step: int
@@ -269,6 +273,8 @@ class PruningStep:
     tau_retention: float
     draft_ms: float
     candidates: dict[str, float] = field(default_factory=dict)
+    tau_before_finetune: float | None = None
+    finetune_seconds: float | None = None
 
 
 def _calibration_acceptance(drafter, calibration, max_new_tokens, eos_ids) -> AcceptanceResult:
@@ -296,6 +302,37 @@ def target_continuations(target, prompts_ids: Sequence[Sequence[int]], max_new_t
     return out
 
 
+def _step_folder(step: int) -> str:
+    return f"step-{step:02d}"
+
+
+def _finetuned_step(state_path: Path | None, step: PruningStep, target) -> D3DForDiffusionDrafting:
+    """The fine-tuned drafter a resumed run saved at `step`.
+
+    Raises:
+        FileNotFoundError: if it is not there (no `state_dir`, or the folder was removed).
+    """
+    from .drafters import load_drafter
+
+    folder = None if state_path is None else state_path.parent / _step_folder(step.step)
+    if folder is None or not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"Resuming a fine-tuned pruning run at step {step.step} needs the drafter it saved to {folder}: restore "
+            "that folder, or start over in an empty state_dir."
+        )
+    drafter = load_drafter(str(folder), dtype=_step_dtype(folder))
+    if drafter.config.shares_target_weights:
+        drafter.attach_target_weights(target)
+    return drafter
+
+
+def _step_dtype(folder: Path) -> torch.dtype:
+    """The dtype a saved step was written in (its config's `dtype`, else float32)."""
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return getattr(torch, str(name).replace("torch.", ""))
+
+
 def prune_drafter(
     drafter: D3DForDiffusionDrafting,
     target,
@@ -306,8 +343,11 @@ def prune_drafter(
     max_new_tokens: int = 128,
     state_dir: str | os.PathLike | None = None,
     progress: bool = True,
+    finetune: Callable[[D3DForDiffusionDrafting, int], D3DForDiffusionDrafting] | None = None,
 ) -> tuple[D3DForDiffusionDrafting, list[PruningStep]]:
-    """Progressive greedy layer pruning by calibration tau (docs/DESIGN.md section 4).
+    """Progressive greedy layer pruning by calibration tau (arXiv 2611.06425, section 3.3; docs/DESIGN.md section
+    4): at each step, measure tau with each remaining layer removed, remove the layer whose removal costs least,
+    optionally fine-tune the pruned drafter (the paper's recipe), and repeat.
 
     Args:
         drafter (`D3DForDiffusionDrafting`): the drafter to prune (not modified).
@@ -323,13 +363,22 @@ def prune_drafter(
             an existing state made with the same drafter shape, prompts, budget and dtype is resumed (and may be
             continued with a lower `num_layers` or `min_tau_retention`), a different one raises.
         progress (`bool`, defaults to `True`): tqdm progress bars.
+        finetune (`Callable[[D3DForDiffusionDrafting, int], D3DForDiffusionDrafting]`, *optional*): called after
+            each removal with the pruned drafter (a copy, in train-ready float weights of the drafter's dtype) and
+            the step number; returns the fine-tuned drafter, which the next step prunes (e.g.
+            `trainer_finetune(...)`). Its tau is measured again after fine-tuning, and `min_tau_retention` applies
+            to that tau. With a `state_dir`, each fine-tuned drafter is saved to `state_dir/step-NN/`, from which an
+            interrupted run resumes. Without it (default), candidates are scored in place and nothing is trained.
 
     Returns:
-        `(pruned_drafter, path)`: the pruned drafter (`pruned_drafter(...)`) and the `PruningStep`s.
+        `(pruned_drafter, path)`: the pruned drafter (`pruned_drafter(...)`; with `finetune`, the last fine-tuned
+        drafter) and the `PruningStep`s.
 
     Raises:
         ValueError: if neither or both stopping rules are given, `num_layers` is out of `[1, layers)`,
-            `min_tau_retention` is out of `(0, 1]`, there are no prompts, or a saved state has other settings.
+            `min_tau_retention` is out of `(0, 1]`, there are no prompts, or a saved state has other settings
+            (including whether it fine-tunes).
+        FileNotFoundError: resuming a fine-tuned run whose last step's `state_dir/step-NN/` drafter is missing.
     """
     total_layers = drafter.config.num_hidden_layers
     if (num_layers is None) == (min_tau_retention is None):
@@ -351,11 +400,13 @@ def prune_drafter(
         "block_size": drafter.config.block_size,
         "dtype": str(next(drafter.parameters()).dtype),
         "drafter_fingerprint": _fingerprint(drafter),
+        "finetune": finetune is not None,
     }
     state_path = Path(state_dir) / STATE_FILE if state_dir is not None else None
     state = None
     if state_path is not None and state_path.exists():
         state = json.loads(state_path.read_text(encoding="utf-8"))
+        state["settings"].setdefault("finetune", False)  # a state written before fine-tuning existed
         if state["settings"] != settings:
             raise ValueError(
                 f"{state_path} holds a pruning run with other settings (drafter, prompts, budget or dtype); use "
@@ -385,6 +436,10 @@ def prune_drafter(
         or (min_tau_retention is not None and steps[-1].tau_retention < min_tau_retention)
     ):
         steps.pop()
+    # the drafter the next step prunes, and the unpruned index of each of its layers
+    model, origin = drafter, list(range(total_layers))
+    if finetune is not None and len(steps) > 1:
+        model, origin = _finetuned_step(state_path, steps[-1], target), steps[-1].kept_layers
     while True:
         current = steps[-1]
         kept = current.kept_layers
@@ -392,32 +447,92 @@ def prune_drafter(
             break
         if len(kept) == 1:
             break
+        position = {layer: origin.index(layer) for layer in kept}
         scores: dict[int, AcceptanceResult] = {}
         bar = tqdm(kept, desc=f"step {len(steps)}: {len(kept)} layers", disable=not progress, leave=False)
         for layer in bar:
-            with layer_subset(drafter, [i for i in kept if i != layer]):
-                scores[layer] = _calibration_acceptance(drafter, calibration, max_new_tokens, eos_ids)
+            with layer_subset(model, [position[i] for i in kept if i != layer]):
+                scores[layer] = _calibration_acceptance(model, calibration, max_new_tokens, eos_ids)
             bar.set_postfix(layer=layer, tau=f"{scores[layer].tau:.3f}")
         # least harmful layer; ties go to the deeper layer (later layers refine, earlier ones feed every other)
         best = max(kept, key=lambda i: (scores[i].tau, i))
-        retention = scores[best].tau / baseline if baseline else 0.0
+        remaining = [i for i in kept if i != best]
+        result, before, seconds = scores[best], None, None
+        if finetune is not None:
+            start = time.perf_counter()
+            tuned = finetune(pruned_drafter(model, [position[i] for i in remaining]), len(steps)).eval()
+            seconds = time.perf_counter() - start
+            before, result = result.tau, _calibration_acceptance(tuned, calibration, max_new_tokens, eos_ids)
+        retention = result.tau / baseline if baseline else 0.0
         if min_tau_retention is not None and retention < min_tau_retention:
             break
-        result = scores[best]
         steps.append(
             PruningStep(
                 step=len(steps),
-                num_layers=len(kept) - 1,
+                num_layers=len(remaining),
                 removed_layer=best,
-                kept_layers=[i for i in kept if i != best],
+                kept_layers=remaining,
                 tau=result.tau,
                 tau_retention=retention,
                 draft_ms=1e3 * result.draft_seconds / max(result.draft_passes, 1),
                 candidates={str(i): scores[i].tau for i in kept},
+                tau_before_finetune=before,
+                finetune_seconds=seconds,
             )
         )
+        if finetune is not None:
+            model, origin = tuned, remaining
+            if state_path is not None:
+                tuned.save_pretrained(state_path.parent / _step_folder(len(steps) - 1))
         save()
+    if model is not drafter:  # the last fine-tuned drafter
+        return model, steps
     return pruned_drafter(drafter, steps[-1].kept_layers), steps
+
+
+def trainer_finetune(
+    train_dataset, args, *, target=None, processing_class=None, **trainer_kwargs
+) -> Callable[[D3DForDiffusionDrafting, int], D3DForDiffusionDrafting]:
+    """A `finetune` for `prune_drafter` that trains each pruned drafter with `D3DTrainer` (the paper's pruning recipe
+    fine-tunes after every removal).
+
+    Args:
+        train_dataset (`datasets.Dataset`): what `D3DTrainer` takes (e.g. `d3d-hf data` rows; never an evaluation
+            set: the trainer refuses them).
+        args (`D3DTrainingConfig`): the fine-tuning of one step (`max_steps`, `learning_rate`, `train_mode`, ...).
+            Step N trains in `args.output_dir/step-NN/` (checkpoints there resume an interrupted step); `args` is
+            not changed.
+        target (`PreTrainedModel`, *optional*): the target, for distillation (`distill_weight > 0` on a drafter
+            with its own committed path) and for a drafter that shares its weights.
+        processing_class (*optional*): the target's tokenizer.
+        **trainer_kwargs: passed on to `D3DTrainer`.
+
+    Returns:
+        `finetune(drafter, step) -> drafter`: trains `drafter` (a PEFT-trained one is returned merged).
+
+    Raises:
+        ValueError: as `D3DTrainer` raises them, when a step starts.
+    """
+
+    def finetune(drafter: D3DForDiffusionDrafting, step: int) -> D3DForDiffusionDrafting:
+        from .training import D3DTrainer
+        from .training.checkpoints import last_complete_checkpoint
+
+        step_args = copy.copy(args)
+        step_args.output_dir = os.path.join(args.output_dir, _step_folder(step))
+        if drafter.config.shares_target_weights and target is not None:
+            drafter.attach_target_weights(target)
+        trainer = D3DTrainer(
+            drafter, step_args, train_dataset=train_dataset, processing_class=processing_class, target=target,
+            **trainer_kwargs,
+        )  # fmt: skip
+        trainer.train(resume_from_checkpoint=last_complete_checkpoint(Path(step_args.output_dir)))
+        model = trainer.model
+        tuned = model.merge_and_unload() if hasattr(model, "merge_and_unload") else trainer.drafter
+        tuned.__dict__.pop("forward", None)  # TRL binds its fused-head forward to the model it trains
+        return tuned
+
+    return finetune
 
 
 def plot_pruning_path(steps: Sequence[PruningStep], path: str | os.PathLike) -> None:
@@ -451,4 +566,5 @@ __all__ = [
     "prune_drafter",
     "pruned_drafter",
     "target_continuations",
+    "trainer_finetune",
 ]

@@ -33,6 +33,20 @@ def _add_prune_parser(sub) -> None:
         default=None,
         help="stop before tau falls below this fraction (e.g. 0.99)",
     )
+    tune = p.add_argument_group(
+        "fine-tuning after each removal (the paper's recipe; needs the train extra): block adapters for a drafter "
+        "that shares its target's weights, every weight for a standalone one"
+    )
+    tune.add_argument(
+        "--finetune-data", default=None, help="training rows (as `d3d-hf train --data`): fine-tune after each removal"
+    )
+    tune.add_argument("--finetune-steps", type=_positive_int, default=50, help="optimizer steps per removal")
+    tune.add_argument("--finetune-learning-rate", type=_finite_float, default=3e-4, help="peak learning rate")
+    tune.add_argument("--finetune-batch-size", type=_positive_int, default=4, help="rows per step")
+    tune.add_argument(
+        "--finetune-distill-weight", type=_finite_float, default=1.0, help="weight of the target-logit distillation"
+    )
+    tune.add_argument("--finetune-max-samples", type=_positive_int, default=None, help="use the first N rows")
     p.add_argument("--output", required=True, help="folder for the pruned drafter, the path JSON/PNG and the state")
     p.add_argument("--overwrite", action="store_true", help="allow writing into a non-empty folder without a state")
     _add_common(p)
@@ -57,8 +71,10 @@ def _prune(args) -> int:
     if not prompts:
         raise ValueError(f"--prompts {args.prompts} with --offset {args.offset} leaves no prompt")
     _check_drafter_options(args)
+    rows = _finetune_rows(args)  # the data is checked before any model loads
     target_name, target, tokenizer, drafter = _load_pair(args)
     prompts_ids = [encode_prompt(tokenizer, p)[0].tolist() for p in prompts]
+    finetune = None if rows is None else _finetune(args, rows, drafter, target, tokenizer, output)
     pruned, steps = prune_drafter(
         drafter,
         target,
@@ -67,6 +83,7 @@ def _prune(args) -> int:
         min_tau_retention=args.min_tau_retention,
         max_new_tokens=args.max_new_tokens,
         state_dir=output,
+        finetune=finetune,
     )
     pruned.save_pretrained(output, tokenizer=tokenizer)
     record = {
@@ -78,13 +95,80 @@ def _prune(args) -> int:
         "max_new_tokens": args.max_new_tokens,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
+        "finetune": None
+        if rows is None
+        else {
+            "data": args.finetune_data,
+            "rows": len(rows),
+            "steps": args.finetune_steps,
+            "learning_rate": args.finetune_learning_rate,
+            "batch_size": args.finetune_batch_size,
+            "distill_weight": args.finetune_distill_weight,
+        },
         "steps": [asdict(step) for step in steps],
     }
     (output / PATH_FILE).write_text(json.dumps(record, indent=2))
     plot_pruning_path(steps, output / PLOT_FILE)
-    print("| layers | removed | tau | retention | draft ms/block |\n|---|---|---|---|---|")
+    print("| layers | removed | tau | tau before fine-tuning | retention | draft ms/block |\n|---|---|---|---|---|---|")
     for step in steps:
         removed = "-" if step.removed_layer is None else step.removed_layer
-        print(f"| {step.num_layers} | {removed} | {step.tau:.3f} | {step.tau_retention:.3f} | {step.draft_ms:.1f} |")
+        before = "-" if step.tau_before_finetune is None else f"{step.tau_before_finetune:.3f}"
+        print(
+            f"| {step.num_layers} | {removed} | {step.tau:.3f} | {before} | {step.tau_retention:.3f} | "
+            f"{step.draft_ms:.1f} |"
+        )
     print(f"Saved the {pruned.config.num_hidden_layers}-layer drafter, {PATH_FILE} and {PLOT_FILE} to {output}")
     return 0
+
+
+def _finetune_rows(args):
+    """The `--finetune-data` rows (first `--finetune-max-samples`), or `None` without fine-tuning.
+
+    Raises:
+        ValueError: fine-tuning options without `--finetune-data`, or fewer rows than `--finetune-max-samples`.
+    """
+    if args.finetune_data is None:
+        if args.finetune_max_samples is not None:
+            raise ValueError("--finetune-max-samples needs --finetune-data (the rows to fine-tune on)")
+        return None
+    from ..training.script import load_training_dataset
+
+    rows = load_training_dataset(args.finetune_data)
+    if args.finetune_max_samples is not None:
+        if args.finetune_max_samples > len(rows):
+            raise ValueError(
+                f"--finetune-max-samples {args.finetune_max_samples} is more than the {len(rows)} rows of "
+                f"{args.finetune_data}"
+            )
+        rows = rows.select(range(args.finetune_max_samples))
+    return rows
+
+
+def _finetune(args, rows, drafter, target, tokenizer, output: Path):
+    """`trainer_finetune` with the `--finetune-*` options: block adapters for a drafter that shares the target's
+    weights, every weight (embeddings included) of a standalone one, with its own next-token loss."""
+    from ..pruning import trainer_finetune
+    from ..training import D3DTrainingConfig
+
+    shares = drafter.config.shares_target_weights
+    config = D3DTrainingConfig(
+        output_dir=str(output / "finetune"),
+        max_steps=args.finetune_steps,
+        learning_rate=args.finetune_learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=min(10, args.finetune_steps // 10),
+        per_device_train_batch_size=args.finetune_batch_size,
+        train_mode="block_adapter" if shares else "full",
+        freeze_embeddings=shares,
+        ar_loss_weight=0.0 if shares else 1.0,
+        distill_weight=args.finetune_distill_weight,
+        anchors_per_sequence=8,
+        save_strategy="steps",
+        save_steps=max(10, args.finetune_steps // 4),
+        save_total_limit=1,
+        logging_steps=10,
+        use_cpu=not torch.cuda.is_available(),
+        report_to="none",
+        disable_tqdm=True,
+    )
+    return trainer_finetune(rows, config, target=target, processing_class=tokenizer)
