@@ -35,6 +35,10 @@ CAPACITIES: dict[str, list[str]] = {
     "adapter-r8": ["--train_mode", "block_adapter", "--block_lora_rank", "8", "--block_lora_alpha", "16",
                    "--learning_rate", "5e-4", "--ar_loss_weight", "0", "--distill_weight", "1.0",
                    "--dtype", "bfloat16"],
+    # the same adapters on the MLP projections only (a capacity option: which projections the adapters act on)
+    "adapter-r8-mlp": ["--train_mode", "block_adapter", "--block_lora_rank", "8", "--block_lora_alpha", "16",
+                       "--block_lora_modules", "gate_proj", "up_proj", "down_proj", "--learning_rate", "5e-4",
+                       "--ar_loss_weight", "0", "--distill_weight", "1.0", "--dtype", "bfloat16"],
     "adapter-r32": ["--train_mode", "block_adapter", "--block_lora_rank", "32", "--block_lora_alpha", "64",
                     "--learning_rate", "5e-4", "--ar_loss_weight", "0", "--distill_weight", "1.0",
                     "--dtype", "bfloat16"],

@@ -212,6 +212,35 @@ def test_block_adapter_drafter_saves_only_its_own_weights(target, dataset, tmp_p
     assert size < 0.2 * sum(p.numel() * 4 for p in target.parameters())
 
 
+def test_block_lora_modules_choose_the_projections_adapted(target, dataset, tmp_path):
+    """A capacity option (issue 35): new block adapters on the MLP only; the others stay plain and nothing of theirs
+    trains; the saved drafter records the modules."""
+    drafter = _drafter(target, shares_target_weights=True)
+    mlp = ["gate_proj", "up_proj", "down_proj"]
+    config = _config(tmp_path, max_steps=2, block_lora_modules=mlp)
+    trainer = D3DTrainer(drafter, config, train_dataset=dataset, processing_class=TOKENIZER)
+    adapted = {n.rsplit(".", 2)[-2] for n, p in drafter.named_parameters() if p.requires_grad and "lora_" in n}
+    assert adapted == set(mlp) and drafter.config.block_lora_modules == mlp
+    trainer.train()
+    drafter.save_pretrained(tmp_path / "out")
+    import json
+
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["block_lora_modules"] == mlp
+    ids = random_prompt(6, seed=70)
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter.eval(), max_new_tokens=12,
+                          do_sample=False)  # fmt: skip
+    assert torch.equal(out, ref)
+    # the list is checked, accepted comma-separated as the CLI may pass it, and must match existing adapters
+    assert _config(tmp_path, block_lora_modules="gate_proj, up_proj").block_lora_modules == ["gate_proj", "up_proj"]
+    for bad in (["gate"], [], ["up_proj", "up_proj"]):
+        with pytest.raises(ValueError, match="block_lora_modules"):
+            _config(tmp_path, block_lora_modules=bad)
+    with pytest.raises(ValueError, match="already has block adapters on"):
+        D3DTrainer(drafter, _config(tmp_path, block_lora_modules=["q_proj"]), train_dataset=dataset,
+                   processing_class=TOKENIZER)  # fmt: skip
+
+
 def test_peft_adapter_round_trip(target, dataset, tmp_path):
     from peft import PeftModel
 

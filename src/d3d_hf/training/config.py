@@ -51,6 +51,10 @@ class D3DTrainingConfig(SFTConfig):
         block_lora_rank (`int`, defaults to 32): rank of the block adapters created for `"block_adapter"` when the
             drafter has none.
         block_lora_alpha (`float`, defaults to 64.0): their scaling numerator.
+        block_lora_modules (`list[str]`, *optional*): the projections new block adapters act on, a non-empty subset
+            of `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj` (a capacity option: e.g.
+            the MLP only). `None` (default) means all seven. A drafter that already has adapters keeps its own, and
+            the trainer refuses a different list here.
         freeze_embeddings (`bool`, defaults to `True`): keep embeddings and LM head frozen in `"full"` mode.
         peft_lora_rank (`int`, defaults to 16), peft_lora_alpha (`float`, defaults to 32.0): PEFT LoRA settings of
             `train_mode="peft"` when the trainer gets no `peft_config`.
@@ -91,6 +95,10 @@ class D3DTrainingConfig(SFTConfig):
     train_mode: str = field(default="block_adapter", metadata={"help": "block_adapter | full | peft"})
     block_lora_rank: int = field(default=32, metadata={"help": "Rank of new block adapters."})
     block_lora_alpha: float = field(default=64.0, metadata={"help": "Scaling numerator of new block adapters."})
+    block_lora_modules: list[str] | None = field(
+        default=None,
+        metadata={"help": "Projections new block adapters act on (default: all seven: q,k,v,o,gate,up,down _proj)."},
+    )
     freeze_embeddings: bool = field(default=True, metadata={"help": "Freeze embeddings/LM head in full mode."})
     peft_lora_rank: int = field(default=16, metadata={"help": "PEFT LoRA rank (train_mode=peft)."})
     peft_lora_alpha: float = field(default=32.0, metadata={"help": "PEFT LoRA alpha (train_mode=peft)."})
@@ -125,6 +133,19 @@ class D3DTrainingConfig(SFTConfig):
                 "denoising + next-token loss on one padded sequence per row, blocks never crossing rows), and D3D "
                 "drafters do not support gradient checkpointing. Leave these options at their defaults."
             )
+        if self.block_lora_modules is not None:
+            from ..modeling.configuration_d3d import DEFAULT_BLOCK_LORA_MODULES
+
+            modules = self.block_lora_modules
+            if isinstance(modules, str):
+                modules = [m.strip() for m in modules.split(",") if m.strip()]
+            unknown = [m for m in modules if m not in DEFAULT_BLOCK_LORA_MODULES]
+            if not modules or unknown or len(set(modules)) != len(modules):
+                raise ValueError(
+                    f"`block_lora_modules` must be distinct names among {list(DEFAULT_BLOCK_LORA_MODULES)}, got "
+                    f"{self.block_lora_modules!r}: set --block_lora_modules to e.g. gate_proj up_proj down_proj."
+                )
+            self.block_lora_modules = list(modules)
         if self.train_mode not in ("block_adapter", "full", "peft"):
             raise ValueError(f"`train_mode` must be block_adapter, full or peft, got {self.train_mode!r}.")
         whole = {
