@@ -46,39 +46,74 @@ CAPACITIES: dict[str, list[str]] = {
     "small6-v8k": ["--shares_target_weights", "false", "--train_mode", "full", "--freeze_embeddings", "false",
                    "--layer_ids", "0,6,12,18,24,29", "--draft_vocab_size", "8192", "--learning_rate", "3e-4",
                    "--ar_loss_weight", "1.0", "--distill_weight", "1.0", "--dtype", "float32"],
+    # cheaper standalone drafters (issue 37: a draft pass at a fraction of a target step): 4 and 2 of the 30 layers
+    "small4-v8k": ["--shares_target_weights", "false", "--train_mode", "full", "--freeze_embeddings", "false",
+                   "--layer_ids", "0,10,20,29", "--draft_vocab_size", "8192", "--learning_rate", "3e-4",
+                   "--ar_loss_weight", "1.0", "--distill_weight", "1.0", "--dtype", "float32"],
+    "small2-v8k": ["--shares_target_weights", "false", "--train_mode", "full", "--freeze_embeddings", "false",
+                   "--layer_ids", "0,29", "--draft_vocab_size", "8192", "--learning_rate", "3e-4",
+                   "--ar_loss_weight", "1.0", "--distill_weight", "1.0", "--dtype", "float32"],
 }  # fmt: skip
+
+
+def train_command(
+    capacity: str,
+    samples: int,
+    out: Path,
+    *,
+    data: str,
+    epochs: int,
+    batch_size: int = BATCH,
+    device: str = "cpu",
+    threads: int = 1,
+    max_steps: int | None = None,
+    save_steps: int = 50,
+) -> list[str]:
+    """The `d3d-hf train` command of one learning-curve run: `capacity`'s preset on the first `samples` rows of
+    `data` for `epochs` passes of `batch_size` rows (or `max_steps` steps), on `device` ("cpu" or "cuda")."""
+    steps = max_steps or max(20, epochs * samples // batch_size)
+    return [
+        sys.executable, "-m", "d3d_hf.cli", "train", "--target", "smollm2-135m-instruct", "--data", data, "--output_dir", str(out),
+        "--max_samples", str(samples), "--max_steps", str(steps), "--per_device_train_batch_size", str(batch_size),
+        "--lr_scheduler_type", "cosine", "--warmup_steps", str(min(50, steps // 10)), "--anchors_per_sequence", "8",
+        "--position_weight_gamma", "7", "--logging_steps", "10", "--save_strategy", "steps",
+        "--save_steps", str(save_steps), "--save_total_limit", "1", "--tau_eval_steps", "0", "--tau_holdout", "4",
+        "--resume_from_checkpoint", "auto", *(["--use_cpu"] if device == "cpu" else []), "--threads", str(threads),
+        "--report_to", "none", *CAPACITIES[capacity],
+    ]  # fmt: skip
 
 
 def _train(capacity: str, samples: int, args) -> Path:
     out = Path(args.runs) / f"{capacity}-{samples}"
     if (out / "config.json").is_file() and (out / "trainer_state.json").is_file():
         return out
-    steps = max(20, args.epochs * samples // BATCH)
-    command = [
-        "d3d-hf", "train", "--target", "smollm2-135m-instruct", "--data", args.data, "--output_dir", str(out),
-        "--max_samples", str(samples), "--max_steps", str(steps), "--per_device_train_batch_size", str(BATCH),
-        "--lr_scheduler_type", "cosine", "--warmup_steps", str(min(50, steps // 10)), "--anchors_per_sequence", "8",
-        "--position_weight_gamma", "7", "--logging_steps", "10", "--save_strategy", "steps", "--save_steps", "50",
-        "--save_total_limit", "1", "--tau_eval_steps", "0", "--tau_holdout", "4", "--resume_from_checkpoint", "auto",
-        "--use_cpu", "--threads", str(args.threads), "--report_to", "none", *CAPACITIES[capacity],
-    ]  # fmt: skip
+    command = train_command(capacity, samples, out, data=args.data, epochs=args.epochs, threads=args.threads)
     print("+", " ".join(command), flush=True)
     subprocess.run(command, check=True)
     return out
 
 
+def tau_command(
+    folder: Path, name: str, path: Path, *, limit: int | None = None, max_new_tokens: int = 128, threads: int = 1,
+    device: str = "cpu", prompts: str | None = None,
+) -> list[str]:
+    """The `compare_tau.py` command measuring `folder`'s drafter-alone tau on set `name` (`SETS`: its offset and
+    count; `limit` fewer prompts) into `path`; `prompts` reads the set from that JSONL file instead, offset 0."""
+    offset, count = SETS[name]
+    return [
+        sys.executable, str(ROOT / "benchmarks" / "trl" / "compare_tau.py"), "--drafters", str(folder),
+        "--prompts", prompts or name, "--offset", "0" if prompts else str(offset), "--limit", str(limit or count),
+        "--max-new-tokens", str(max_new_tokens), "--threads", str(threads), "--device", device, "--output", str(path),
+    ]  # fmt: skip
+
+
 def _measure(capacity: str, samples: int, folder: Path, args) -> dict[str, dict]:
     found = {}
-    for name, (offset, limit) in SETS.items():
-        limit = args.limit or limit
+    for name in SETS:
         path = Path(args.results) / f"{capacity}-{samples}-{name}.json"
         if not path.is_file():
-            command = [
-                sys.executable, str(ROOT / "benchmarks" / "trl" / "compare_tau.py"), "--drafters", str(folder),
-                "--prompts", name, "--offset", str(offset), "--limit", str(limit),
-                "--max-new-tokens", str(args.max_new_tokens),
-                "--threads", str(args.threads), "--output", str(path),
-            ]  # fmt: skip
+            command = tau_command(folder, name, path, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                                  threads=args.threads)  # fmt: skip
             print("+", " ".join(command), flush=True)
             subprocess.run(command, check=True)
         result = json.loads(path.read_text())

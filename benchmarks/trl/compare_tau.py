@@ -28,17 +28,18 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (tau is the same up to rounding)")
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target, tokenizer = load_target("smollm2-135m-instruct", dtype="float32", device="cpu")
-    drafters = {name: load_drafter(name) for name in args.drafters}
+    target, tokenizer = load_target("smollm2-135m-instruct", dtype="float32", device=args.device)
+    drafters = {name: load_drafter(name).to(args.device) for name in args.drafters}
     prompts = load_prompts(args.prompts)[args.offset : args.offset + args.limit]
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, d3d_num_drafts="full",
                               d3d_prompt_lookup=False)
     totals = {name: {"new_tokens": 0, "rounds": 0, "lossless": 0, "per_prompt": []} for name in drafters}
     for prompt in prompts:
-        ids = encode_prompt(tokenizer, prompt)
+        ids = encode_prompt(tokenizer, prompt).to(args.device)
         reference = target.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
         for name, drafter in drafters.items():
             out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
@@ -53,8 +54,10 @@ def main() -> None:
         "command": "python benchmarks/trl/compare_tau.py " + " ".join(
             ["--drafters", *args.drafters, "--prompts", args.prompts, "--offset", str(args.offset), "--limit",
              str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads),
+             "--device", args.device,
              "--output", args.output]),
         "machine": platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "prompts": f"{args.prompts}[{args.offset}:{args.offset + args.limit}]",
         "tau": {name: t["new_tokens"] / t["rounds"] for name, t in totals.items()},
         "lossless": {name: t["lossless"] / len(prompts) for name, t in totals.items()},

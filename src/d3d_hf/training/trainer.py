@@ -251,7 +251,8 @@ class D3DTrainer(SFTTrainer):
                 "train does), or set distill_weight=0."
             )
         target.requires_grad_(False)
-        return target.eval()
+        # on the device the Trainer puts the drafter on (a GPU unless `use_cpu`): the teacher reads the batch there
+        return target.to(args.device).eval()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The D3D objective: `block_loss_weight * block_loss + ar_loss_weight * ar_loss` (`d3d_losses`); both parts
