@@ -14,7 +14,7 @@ runs, side by side on the GPU:
 
 At `budget - --reserve` seconds whatever still runs is stopped (a training run's last checkpoint is kept), and the
 results are packed into at most 8 files under `--out` (the device tool's limit): `results.tar.gz` (logs, tau JSONs,
-trainer states), `answers.tar` (the new shards), and the drafters in `drafters.tar.NN` pieces of 15 MiB.
+trainer states), the new shards in `answers.tar.NN` and the drafters in `drafters.tar.NN`, pieces of 15 MiB.
 
 Prepare here (CPU), then run on the device (see `run_scale.sh`):
 
@@ -150,6 +150,8 @@ def run(args) -> None:
     frozen = work / "answers-before"
     shutil.copytree(answers, frozen, ignore=shutil.ignore_patterns("dataset"))
     before = _row_count(frozen)
+    before_shards = {p.name for p in (frozen / "shards").iterdir()}
+    full_runs: set[str] = set()
     event(f"{before} rows answered before this run")
     python = sys.executable
     jobs: list[Job] = []
@@ -160,7 +162,8 @@ def run(args) -> None:
     trained = []  # (name, folder) of runs to measure
     common = {"epochs": args.epochs, "batch_size": args.batch_size, "device": args.device, "threads": 1}
     usable = before - 4  # --tau_holdout 4: the last rows are never trained on
-    plan = [(c, n) for c in args.capacities.split(",") for n in map(int, args.samples.split(",")) if n <= usable]
+    capacities = [c for c in args.capacities.split(",") if c]
+    plan = [(c, n) for c in capacities for n in map(int, args.samples.split(",")) if n <= usable]
     plan += [(c, usable) for c in args.small.split(",") if c]
     for capacity, samples in plan:
         folder = runs / f"{capacity}-{samples}"
@@ -191,7 +194,7 @@ def run(args) -> None:
             steps_per_s = [s for _, f in trained if (s := _seconds_per_step(f))]
             per_step = max(steps_per_s) if steps_per_s else args.default_step_seconds
             left = stop_at - time.monotonic() - args.full_tau_seconds - 30  # loading and saving
-            for capacity in args.capacities.split(","):
+            for capacity in capacities:
                 samples = total - 4
                 steps = min(args.epochs * samples // args.batch_size, int(left / (per_step * 1.25)))
                 if steps < 50:
@@ -202,6 +205,7 @@ def run(args) -> None:
                                         **common)  # fmt: skip
                 jobs.append(Job(f"{capacity}-{samples}", command, logs / f"train-{capacity}-{samples}.log", "train",
                                 folder))  # fmt: skip
+                full_runs.add(folder.name)
                 event(f"train {capacity} on all {samples} rows: {steps} steps ({per_step:.3f}s/step measured)")
         running_tau = sum(1 for j in jobs if j.kind == "tau" and j.poll() is None)
         while tau_queue and running_tau < args.tau_jobs:
@@ -220,7 +224,7 @@ def run(args) -> None:
     status["rows_after"] = _row_count(answers)
     status["not_measured"] = [f"{n} {s}" for n, _, s in tau_queue]
     event(f"{status['rows_after']} rows answered; packing")
-    _pack(out, work, answers, runs, status)
+    _pack(out, work, answers, runs, status, full_runs, before_shards)
 
 
 def _drafter_files(folder: Path) -> list[Path]:
@@ -241,7 +245,14 @@ def _measured(work: Path, name: str) -> bool:
     return all((work / "tau" / f"{name}-{s}.json").is_file() for s in SETS)
 
 
-def _pack(out: Path, work: Path, answers: Path, runs: Path, status: dict) -> None:
+def _pieces(out: Path, name: str, data: bytes, most: int) -> None:
+    """Writes `data` as `name.00`, `name.01`, ... of at most `PIECE` bytes, at most `most` of them (the rest is cut)."""
+    data = data[: most * PIECE]
+    for i in range(0, len(data), PIECE):
+        (out / f"{name}.{i // PIECE:02d}").write_bytes(data[i : i + PIECE])
+
+
+def _pack(out: Path, work: Path, answers: Path, runs: Path, status: dict, full: set[str], before: set[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (work / "status.json").write_text(json.dumps(status, indent=1))
     with tarfile.open(out / "results.tar.gz", "w:gz") as tar:
@@ -251,23 +262,25 @@ def _pack(out: Path, work: Path, answers: Path, runs: Path, status: dict) -> Non
             for state in [folder / "trainer_state.json", *folder.glob("checkpoint-*/trainer_state.json")]:
                 if state.is_file():
                     tar.add(state, arcname=str(state.relative_to(work)))
-    with tarfile.open(out / "answers.tar", "w") as tar:
-        tar.add(answers / "generation_settings.json", arcname="generation_settings.json")
-        for shard in sorted((answers / "shards").iterdir()):
-            tar.add(shard, arcname=f"shards/{shard.name}")
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
-        # full-data runs first: if the pieces must be cut, the learning-curve runs measured here go
-        for folder in sorted(runs.iterdir(), key=lambda f: -int(f.name.rsplit("-", 1)[1])):
-            if folder.name.startswith("small") or _measured(work, folder.name):
+        tar.add(answers / "generation_settings.json", arcname="generation_settings.json")
+        for shard in sorted((answers / "shards").iterdir()):
+            if shard.name not in before:  # the shards made here
+                tar.add(shard, arcname=f"shards/{shard.name}")
+    _pieces(out, "answers.tar", buffer.getvalue(), 3)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        # the full-data runs first (brought back even when measured here: they are the drafters to ship), then the
+        # curve runs not measured here, most samples first; if the pieces must be cut, the smallest runs go
+        for folder in sorted(runs.iterdir(), key=lambda f: (f.name not in full, -int(f.name.rsplit("-", 1)[1]))):
+            if folder.name.startswith("small") or (folder.name not in full and _measured(work, folder.name)):
                 # measured here; standalone drafters carry their own 28M-parameter embedding: too big to bring back
                 continue
             for path in _drafter_files(folder):
                 tar.add(path, arcname=f"{folder.name}/{path.name}")
     room = 64 * 2**20 - sum(p.stat().st_size for p in out.iterdir()) - 2**20
-    data = buffer.getvalue()[: min(room, 6 * PIECE)]  # 8 files at most come back
-    for i in range(0, len(data), PIECE):
-        (out / f"drafters.tar.{i // PIECE:02d}").write_bytes(data[i : i + PIECE])
+    _pieces(out, "drafters.tar", buffer.getvalue()[:room], 8 - len(list(out.iterdir())))
     print(f"packed: {sorted((p.name, p.stat().st_size) for p in out.iterdir())}", flush=True)
 
 
