@@ -94,8 +94,15 @@ def _train(capacity: str, samples: int, args) -> Path:
 
 
 def tau_command(
-    folder: Path, name: str, path: Path, *, limit: int | None = None, max_new_tokens: int = 128, threads: int = 1,
-    device: str = "cpu", prompts: str | None = None,
+    folder: Path,
+    name: str,
+    path: Path,
+    *,
+    limit: int | None = None,
+    max_new_tokens: int = 128,
+    threads: int = 1,
+    device: str = "cpu",
+    prompts: str | None = None,
 ) -> list[str]:
     """The `compare_tau.py` command measuring `folder`'s drafter-alone tau on set `name` (`SETS`: its offset and
     count; `limit` fewer prompts) into `path`; `prompts` reads the set from that JSONL file instead, offset 0."""
@@ -146,6 +153,8 @@ def _render(table: dict, args) -> None:
         points = sorted((s, f) for (c, s), f in table.items() if c == capacity)
         for name in SETS:
             ax.plot([s for s, _ in points], [f[name]["tau"] for _, f in points], marker="o", label=f"{capacity} {name}")
+    for (set_name, (tau, _)), style in zip(shipped.items(), ("--", ":", "-.")):
+        ax.axhline(tau, color="grey", linestyle=style, linewidth=1, label=f"shipped drafter, {set_name}")
     ax.set_xscale("log")
     ax.set_xlabel("training samples (target answers)")
     ax.set_ylabel("drafter-alone tau")
@@ -154,6 +163,73 @@ def _render(table: dict, args) -> None:
     fig.tight_layout()
     fig.savefig(Path(args.results) / "curve.png", dpi=120)
     print("\n".join(lines))
+
+
+#: the shipped drafter as `render_measured` describes it (`shipped-<set>.json` in a results folder)
+SHIPPED = "d3d-smollm2-135m-instruct: block adapters r32, ~1,200 templated prompts, 1,400 steps of 4"
+
+
+def render_measured(results: Path) -> str:
+    """`curve.md` and `curve.png` of a folder of finished runs: `runs.json` (per run: capacity, rows, steps,
+    batch_size, samples_seen, finished, final_loss; written from the runs' trainer states) and the compare_tau
+    JSONs `<run>-<set>.json`. Tau is plotted against the samples seen (steps x batch), since a run stopped early
+    saw fewer than its rows x epochs. `shipped-<set>.json` (the shipped drafter, same script), where present, adds a
+    row and a grey line per set. Returns the table."""
+    runs = json.loads((results / "runs.json").read_text())
+    lines = [
+        "| run | rows | steps (of) | samples seen | "
+        + " | ".join(f"{n} {o}-{o + k - 1}" for n, (o, k) in SETS.items())
+        + " | block / AR / distil loss |",
+        "|---|---|---|---|" + "---|" * len(SETS) + "---|",
+    ]
+    points: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for name, run in sorted(runs.items(), key=lambda kv: (kv[1]["capacity"], kv[1]["samples_seen"])):
+        cells = []
+        for set_name in SETS:
+            path = results / f"{name}-{set_name}.json"
+            if path.is_file():
+                found = json.loads(path.read_text())
+                tau, lossless = next(iter(found["tau"].values())), next(iter(found["lossless"].values()))
+                cells.append(f"{tau:.2f} ({lossless:.0%})")
+                points.setdefault((run["capacity"], set_name), []).append((run["samples_seen"], tau))
+            else:
+                cells.append("-")
+        loss = run["final_loss"]
+        losses = " / ".join(f"{loss[k]:.2f}" if k in loss else "-" for k in ("block_loss", "ar_loss", "distill_loss"))
+        steps = f"{run['steps']}" + ("" if run["finished"] else f" ({run['max_steps']}, stopped)")
+        lines.append(f"| {name} | {run['rows']} | {steps} | {run['samples_seen']} | " + " | ".join(cells)
+                     + f" | {losses} |")  # fmt: skip
+    # the drafter shipped today, measured by the same script (`shipped-<set>.json`): the bar a new drafter must clear
+    shipped = {}
+    for set_name in SETS:
+        path = results / f"shipped-{set_name}.json"
+        if path.is_file():
+            found = json.loads(path.read_text())
+            shipped[set_name] = (next(iter(found["tau"].values())), next(iter(found["lossless"].values())))
+    if shipped:
+        cells = [f"{shipped[n][0]:.2f} ({shipped[n][1]:.0%})" if n in shipped else "-" for n in SETS]
+        lines.append(f"| shipped ({SHIPPED}) | | | | " + " | ".join(cells) + " | |")
+    table = "\n".join(lines) + "\n"
+    (results / "curve.md").write_text(table)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (capacity, set_name), xy in sorted(points.items()):
+        xy.sort()
+        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=f"{capacity} {set_name}")
+    for (set_name, (tau, _)), style in zip(shipped.items(), ("--", ":", "-.")):
+        ax.axhline(tau, color="grey", linestyle=style, linewidth=1, label=f"shipped drafter, {set_name}")
+    ax.set_xscale("log")
+    ax.set_xlabel("training samples seen (target answers; steps x batch)")
+    ax.set_ylabel("drafter-alone tau")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(results / "curve.png", dpi=120)
+    return table
 
 
 def main() -> None:
@@ -167,7 +243,12 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="prompts per set (default 20; fewer: a smoke run)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "learning_curve"))
+    parser.add_argument("--render", metavar="DIR", help="only draw the table and plot of a folder of measured runs "
+                        "(runs.json + compare_tau JSONs, e.g. from benchmarks/gpu/scale_run.py)")  # fmt: skip
     args = parser.parse_args()
+    if args.render:
+        print(render_measured(Path(args.render)))
+        return
     unknown = sorted(set(args.capacities.split(",")) - set(CAPACITIES))
     if unknown:
         parser.error(f"unknown capacities {unknown}: use {sorted(CAPACITIES)}")
