@@ -172,3 +172,42 @@ def test_a_checked_dataset_still_trains(target, tmp_path):
     trainer = _trainer(target, Dataset.from_list([GOOD] * 4), tmp_path)
     trainer.train()
     assert torch.isfinite(torch.tensor(trainer.state.log_history[-1]["train_loss"]))
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [GOOD, _chat("t3 t4", None), GOOD, _chat("t5", "  ")],
+        [{"prompt": "t3", "completion": "t4"}, {"prompt": "t3", "completion": " "}],
+        [
+            {"prompt": [{"role": "user", "content": "t3"}], "completion": [{"role": "assistant", "content": "t4"}]},
+            {"prompt": [{"role": "user", "content": "t3"}], "completion": [{"role": "assistant", "content": ""}]},
+        ],
+        [{"prompt_ids": [3, 4], "response_ids": [5, 6]}, {"prompt_ids": [3], "response_ids": []}],
+        [{"text": "t3 t4"}, {"text": " "}],
+    ],
+    ids=["messages", "completion", "chat-completion", "response-ids", "text"],
+)
+def test_the_suggested_filter_drops_exactly_the_refused_rows(rows):
+    """The `dataset.filter(...)` an error suggests, run as written, leaves a dataset the check accepts, and keeps
+    every row it did not name."""
+    import re
+
+    dataset = Dataset.from_list(rows)
+    with pytest.raises(ValueError) as refused:
+        check_training_rows(dataset, "train_dataset")
+    suggested = re.search(r"`(dataset\.filter\(.*\))`", str(refused.value)).group(1)
+    filtered = eval(suggested, {"dataset": dataset})  # noqa: S307 - the message's own code, as a user would paste it
+    check_training_rows(filtered, "train_dataset")
+    assert len(filtered) == len(rows) - len(re.search(r"rows? ([\d, ]+)\)", str(refused.value)).group(1).split(","))
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n"])
+def test_train_command_refuses_an_empty_data_file(tiny_folders, tmp_path, capsys, content):
+    """An empty JSONL file: named, before `datasets` fails inside its JSON reader with a bare StopIteration."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text(content)
+    argv = ["train", "--target", str(tiny_folders / "target"), "--data", str(data), "--output_dir"]
+    argv += [str(tmp_path / "out"), "--max_steps", "1", "--tau_holdout", "0", "--use_cpu", "--report_to", "none"]
+    assert main(argv) != 0
+    assert f"error: {data} holds no rows" in capsys.readouterr().err

@@ -62,14 +62,15 @@ def _rule(columns: set[str], text_field: str) -> tuple[Callable[[dict], bool], l
             ["messages"],
             "no assistant turn with content (only an assistant's tokens are learned)",
             "add the assistant's answers, or drop them: `dataset.filter(lambda row: any(m['role'] == 'assistant' "
-            "and m['content'] for m in row['messages']))`",
+            "and (m['content'] or '').strip() for m in row['messages']))`",
         )
     if {"prompt", "completion"} <= columns:
         return (
             lambda row: _learned(row["completion"]),
             ["completion"],
             "an empty `completion` (only the completion's tokens are learned)",
-            "give each prompt its completion, or drop them: `dataset.filter(lambda row: bool(row['completion']))`",
+            "give each prompt its completion, or drop them: `dataset.filter(lambda row: (row['completion'] if "
+            "isinstance(row['completion'], str) else ''.join(m['content'] or '' for m in row['completion'])).strip())`",
         )
     if "input_ids" in columns:
         return (

@@ -9,6 +9,7 @@ are accepted), and `--config FILE.yaml` reads any of them from a YAML mapping (f
 from __future__ import annotations
 
 import glob
+import gzip
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,6 +111,7 @@ def load_training_dataset(path: str):
 
     Raises:
         FileNotFoundError: if `path` is neither a saved dataset nor existing JSON / JSONL files.
+        ValueError: if every JSON / JSONL file is empty or blank (empty ones among others are skipped).
     """
     from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
@@ -127,11 +129,25 @@ def load_training_dataset(path: str):
         return Dataset.from_list(load_generated_rows(path))  # a run in progress, or committed as shards only
     files = sorted(f for part in path.split(",") for f in glob.glob(part.strip()) if Path(f).is_file())
     if files and all(f.endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz")) for f in files):
-        return load_dataset("json", data_files=files, split="train")
+        # `datasets`' JSON reader fails on an empty file with a bare StopIteration: skip those, refuse if all are
+        held = [f for f in files if _holds_text(f)]
+        if not held:
+            raise ValueError(
+                f"{', '.join(files)} {'holds' if len(files) == 1 else 'hold'} no rows (empty or blank): write one JSON "
+                "object per line (e.g. {\"messages\": [...]} or {\"prompt\": ..., \"completion\": ...}), or pass "
+                "the folder `d3d-hf data --output` wrote."
+            )
+        return load_dataset("json", data_files=held, split="train")
     raise FileNotFoundError(
         f"No dataset at {path}: pass a folder written by `d3d-hf data --output {path}` (or `save_to_disk`), or "
         "JSON/JSONL files (a path, a glob like 'runs/data/x/shards/*.jsonl', or comma-separated paths)."
     )
+
+
+def _holds_text(file: str) -> bool:
+    """Whether a JSON / JSONL file (gzip-compressed if its name ends in .gz) holds anything but whitespace."""
+    with (gzip.open if file.endswith(".gz") else open)(file, "rb") as f:
+        return any(line.strip() for line in f)
 
 
 def _tau_prompt(row: dict, tokenizer) -> list[int]:
@@ -184,7 +200,10 @@ def train_drafter(script: D3DTrainScriptArguments, config: D3DTrainingConfig) ->
         raise ValueError("--tau_eval_steps measures tau on the --tau_holdout rows: pass --tau_holdout 1 or more.")
     dataset = load_training_dataset(script.data)  # the data and the drafter's config are checked before the target
     if len(dataset) <= script.tau_holdout:
-        raise ValueError(f"The dataset has {len(dataset)} rows; need more than --tau_holdout {script.tau_holdout}.")
+        raise ValueError(
+            f"The dataset has {len(dataset)} rows; need more than --tau_holdout {script.tau_holdout} (the last rows, "
+            "held out to measure tau): add rows, or pass --tau_holdout 0 to train on every row without measuring it."
+        )
     if script.drafter:
         from ..drafters import load_drafter_config
 
