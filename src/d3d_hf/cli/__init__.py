@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         except ModuleNotFoundError as err:  # the training extras (trl, datasets) are not installed
             print(
                 f"error: `d3d-hf train` needs the training extras ({err}): pip install -e '.[train]' in the "
-                "repository (the README's install command installs them)",
+                "repository (the README's test install includes them; its main-job install does not)",
                 file=sys.stderr,
             )
             return 2
