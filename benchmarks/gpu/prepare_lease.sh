@@ -54,7 +54,7 @@ files)
   echo "call 1 carries $(($(du -cb .whl .gpu | tail -1 | cut -f1) + tree)) bytes with the tree (at most $((64 * 1024 * 1024)))"
   ;;
 index-out)
-  grep -qxF "$MARK" "$EXCLUDE" && { echo "already out: run index-back first"; exit 1; }
+  grep -qxF "$MARK" "$EXCLUDE" 2>/dev/null && { echo "already out: run index-back first"; exit 1; }
   git diff --cached --quiet || { echo "the index holds staged changes: commit them first"; exit 1; }
   mkdir -p .git/info
   printf '%s\n' "$MARK" "${LARGE[@]/#//}" >> "$EXCLUDE"
@@ -62,7 +62,7 @@ index-out)
   echo "out of the copied tree: ${LARGE[*]} (carry data in the run call)"
   ;;
 index-back)
-  grep -qxF "$MARK" "$EXCLUDE" || { echo "nothing to restore"; exit 0; }
+  grep -qxF "$MARK" "$EXCLUDE" 2>/dev/null || { echo "nothing to restore"; exit 0; }
   "$PY" - "$EXCLUDE" "$MARK" "${#LARGE[@]}" <<'EOF'
 import sys
 path, mark, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
