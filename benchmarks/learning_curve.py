@@ -39,6 +39,10 @@ CAPACITIES: dict[str, list[str]] = {
     "adapter-r8-mlp": ["--train_mode", "block_adapter", "--block_lora_rank", "8", "--block_lora_alpha", "16",
                        "--block_lora_modules", "gate_proj", "up_proj", "down_proj", "--learning_rate", "5e-4",
                        "--ar_loss_weight", "0", "--distill_weight", "1.0", "--dtype", "bfloat16"],
+    # rank-8 adapters, and full-rank ones on the last two layers (block-row-only full weights in the last layers)
+    "adapter-r8-full2": ["--train_mode", "block_adapter", "--block_lora_rank", "8", "--block_lora_alpha", "16",
+                         "--block_lora_full_layers", "2", "--learning_rate", "5e-4", "--ar_loss_weight", "0",
+                         "--distill_weight", "1.0", "--dtype", "bfloat16"],
     "adapter-r32": ["--train_mode", "block_adapter", "--block_lora_rank", "32", "--block_lora_alpha", "64",
                     "--learning_rate", "5e-4", "--ar_loss_weight", "0", "--distill_weight", "1.0",
                     "--dtype", "bfloat16"],
@@ -165,7 +169,9 @@ def _render(table: dict, args) -> None:
 
 
 #: the shipped drafter as `render_measured` describes it (`shipped-<set>.json` in a results folder)
-SHIPPED = "d3d-smollm2-135m-instruct: adapters trained at rank 32 then cut to 8, ~1,200 templated prompts, 1,400 steps of 4"
+SHIPPED = (
+    "d3d-smollm2-135m-instruct: adapters trained at rank 32 then cut to 8, ~1,200 templated prompts, 1,400 steps of 4"
+)
 
 
 def render_measured(results: Path) -> str:

@@ -63,6 +63,7 @@ _WHOLE_NUMBER_FIELDS = {
     "max_position_embeddings": (1, "8192"),
     "block_size": (1, "16 (the default)"),
     "block_lora_rank": (0, "0 (no block adapters) or a rank such as 32"),
+    "block_lora_full_layers": (0, "0 (every adapter of rank `block_lora_rank`) or a few, such as 2"),
 }
 _BOOL_FIELDS = ("attention_bias", "mlp_bias", "use_qk_norm", "tie_word_embeddings", "shares_target_weights")
 _OPTIONAL_STR_FIELDS = ("source_model", "target_model")
@@ -201,6 +202,15 @@ def validate_config(config: PretrainedConfig | Mapping[str, Any]) -> None:
                 "Use a spare id of the vocabulary, or `mask_token_id=None` for a separate learned mask embedding",
             )
     layers = present.get("num_hidden_layers")
+    full = present.get("block_lora_full_layers") or 0
+    rank = present.get("block_lora_rank", 0)
+    if full and (rank < 1 or (layers is not None and full > layers)):
+        raise ValueError(
+            f"D3D drafter config: `block_lora_full_layers={full}` gives the last {full} layers full-rank block "
+            f"adapters, which needs block adapters (`block_lora_rank` >= 1, got {rank}) and at most "
+            f"`num_hidden_layers` ({layers}) layers. Set `block_lora_rank` (e.g. 8), or `block_lora_full_layers` to "
+            f"a number in [0, {layers}]."
+        )
     if layers is not None:
         for name, distinct in (("source_layer_ids", False), ("pruned_layer_ids", True)):
             if given(name):
@@ -390,6 +400,11 @@ class D3DConfig(PretrainedConfig):
             and the anchor always use the unmodified weights (see `D3DLinear`).
         block_lora_alpha (`float`, *optional*, defaults to 16.0):
             Adapter scaling numerator (`alpha / rank`).
+        block_lora_full_layers (`int`, *optional*, defaults to 0):
+            The last this many layers get block adapters of full rank (`min(in_features, out_features)` of each adapted
+            projection) instead of `block_lora_rank`: block-row-only full weights in the last layers, a capacity option
+            of the weight-sharing drafter (d3d-hf issue 35). Their scale `alpha / rank` is the other layers' (`alpha`
+            grows with the rank). Needs `block_lora_rank >= 1`.
         block_lora_modules (`list[str]`, *optional*):
             Projections that get a block adapter; defaults to all seven (`q_proj`, `k_proj`, `v_proj`, `o_proj`,
             `gate_proj`, `up_proj`, `down_proj`).
@@ -455,6 +470,7 @@ class D3DConfig(PretrainedConfig):
         block_lora_rank: int = 0,
         block_lora_alpha: float = 16.0,
         block_lora_modules: list[str] | None = None,
+        block_lora_full_layers: int = 0,
         shares_target_weights: bool = False,
         draft_vocab_size: int | None = None,
         initializer_range: float = 0.02,
@@ -500,6 +516,7 @@ class D3DConfig(PretrainedConfig):
         self.block_lora_rank = int(block_lora_rank)
         self.block_lora_alpha = float(block_lora_alpha)
         self.block_lora_modules = list(DEFAULT_BLOCK_LORA_MODULES if block_lora_modules is None else block_lora_modules)
+        self.block_lora_full_layers = int(block_lora_full_layers)
         self.shares_target_weights = bool(shares_target_weights)
         self.draft_vocab_size = draft_vocab_size
         self.initializer_range = initializer_range

@@ -19,6 +19,7 @@ transformers API and the block adapter (`adapters_d3d`).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import statistics
@@ -145,8 +146,8 @@ def add_block_adapters(
     parameters' storage and version counters, so an optimiser step or a `.to()` rebuilds them.
 
     Args:
-        projections (`list[D3DLinear]`): the projections (those with `rank == 0` are skipped; the others share one
-            rank, `config.block_lora_rank`).
+        projections (`list[D3DLinear]`): the projections (those with `rank == 0` are skipped; the others have
+            `config.block_lora_rank`, or full ranks that differ by projection in `block_lora_full_layers`).
         x (`torch.Tensor` of shape `(batch_size, seq_len, in_features)`): their common input.
         outputs (`list[torch.Tensor]`): their base outputs `x W^T + b`, `(batch_size, seq_len, out_features_i)`.
         rows (`BlockRows`): where the adapters apply.
@@ -167,18 +168,18 @@ def add_block_adapters(
         cache["key"] = key
         cache["At"] = torch.cat([proj.lora_A for proj in projections]).t().to(x.dtype)
         cache["Bt"] = [proj.lora_B.t().to(x.dtype) for proj in projections]
-    rank = projections[0].rank
+    ends = list(itertools.accumulate(proj.rank for proj in projections))  # ranks differ in full-rank layers
     if x.shape[0] == 1:  # 2-D matmuls: the common case, and cheaper than batched ones for a few rows
         down = torch.mm(x[0], cache["At"])
         for i, (proj, out) in enumerate(pairs):
             rows_out = out[0] if rows.start is None else out[0, rows.start :]
-            rows_out.addmm_(down[:, i * rank : (i + 1) * rank], cache["Bt"][i], alpha=proj.lora_scaling)
+            rows_out.addmm_(down[:, ends[i] - proj.rank : ends[i]], cache["Bt"][i], alpha=proj.lora_scaling)
         return
     down = torch.matmul(x, cache["At"])
     for i, (proj, out) in enumerate(pairs):
         rows_out = out if rows.start is None else out[:, rows.start :]
         b_t = cache["Bt"][i].expand(x.shape[0], -1, -1)
-        rows_out.baddbmm_(down[..., i * rank : (i + 1) * rank], b_t, alpha=proj.lora_scaling)
+        rows_out.baddbmm_(down[..., ends[i] - proj.rank : ends[i]], b_t, alpha=proj.lora_scaling)
 
 
 def _weights_key(modules: list[nn.Module], x: torch.Tensor) -> tuple:

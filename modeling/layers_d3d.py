@@ -83,10 +83,50 @@ def kernel_attention_interface(kernel: Callable) -> Callable:
     return packed_kernel_attention
 
 
-def _projection(config: D3DConfig, name: str, in_features: int, out_features: int, bias: bool) -> D3DLinear:
-    """A `D3DLinear` with a block adapter when `name` is in `config.block_lora_modules` and the rank is > 0."""
-    rank = config.block_lora_rank if name in config.block_lora_modules else 0
-    return D3DLinear(in_features, out_features, bias, rank, config.block_lora_alpha)
+def block_adapter_shape(config: D3DConfig, layer_idx: int, in_features: int, out_features: int) -> tuple[int, float]:
+    """`(rank, alpha)` of the block adapter of a projection in layer `layer_idx`: `config.block_lora_rank` and
+    `block_lora_alpha`, or in the last `config.block_lora_full_layers` layers full rank `min(in, out)` with `alpha`
+    scaled alike, so that every adapter has the same scale `alpha / rank`."""
+    rank, alpha = config.block_lora_rank, config.block_lora_alpha
+    if rank > 0 and layer_idx >= config.num_hidden_layers - getattr(config, "block_lora_full_layers", 0):
+        full = min(in_features, out_features)
+        return full, alpha * full / rank
+    return rank, alpha
+
+
+def create_block_adapters(
+    config: D3DConfig, layers: nn.ModuleList, rank: int, alpha: float, modules: list[str] | None, full_layers: int
+) -> None:
+    """Gives every projection of `modules` (default `config.block_lora_modules`) in `layers` a fresh block adapter of
+    `block_adapter_shape`, and records rank, alpha, modules and `full_layers` in `config`
+    (`D3DForDiffusionDrafting.add_block_adapter`).
+
+    Raises:
+        ValueError: if `rank < 1` or `full_layers` is not a whole number in `[0, len(layers)]`.
+    """
+    if rank < 1:
+        raise ValueError(f"`rank` must be >= 1, got {rank}.")
+    if isinstance(full_layers, bool) or not isinstance(full_layers, int) or not 0 <= full_layers <= len(layers):
+        raise ValueError(
+            f"`full_layers` must be a whole number in [0, {len(layers)}] (the drafter's layers), got {full_layers!r}."
+        )
+    modules = list(modules or config.block_lora_modules)
+    config.block_lora_rank, config.block_lora_alpha = int(rank), float(alpha)
+    config.block_lora_modules, config.block_lora_full_layers = modules, full_layers
+    for index, layer in enumerate(layers):
+        for name in modules:
+            parent = layer.self_attn if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp
+            projection = getattr(parent, name)
+            projection.add_adapter(*block_adapter_shape(config, index, projection.in_features, projection.out_features))
+
+
+def _projection(
+    config: D3DConfig, name: str, in_features: int, out_features: int, bias: bool, layer_idx: int
+) -> D3DLinear:
+    """A `D3DLinear` with a block adapter (`block_adapter_shape`) when `name` is in `config.block_lora_modules` and
+    the rank is > 0."""
+    rank, alpha = block_adapter_shape(config, layer_idx, in_features, out_features)
+    return D3DLinear(in_features, out_features, bias, rank if name in config.block_lora_modules else 0, alpha)
 
 
 class D3DMaskEmbedding(nn.Module):
@@ -159,10 +199,10 @@ class D3DAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.is_causal = False  # the mask is always explicit
         h, kv, bias = config.num_attention_heads, config.num_key_value_heads, config.attention_bias
-        self.q_proj = _projection(config, "q_proj", config.hidden_size, h * self.head_dim, bias)
-        self.k_proj = _projection(config, "k_proj", config.hidden_size, kv * self.head_dim, bias)
-        self.v_proj = _projection(config, "v_proj", config.hidden_size, kv * self.head_dim, bias)
-        self.o_proj = _projection(config, "o_proj", h * self.head_dim, config.hidden_size, bias)
+        self.q_proj = _projection(config, "q_proj", config.hidden_size, h * self.head_dim, bias, layer_idx)
+        self.k_proj = _projection(config, "k_proj", config.hidden_size, kv * self.head_dim, bias, layer_idx)
+        self.v_proj = _projection(config, "v_proj", config.hidden_size, kv * self.head_dim, bias, layer_idx)
+        self.o_proj = _projection(config, "o_proj", h * self.head_dim, config.hidden_size, bias, layer_idx)
         if config.use_qk_norm:
             self.q_norm = D3DRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = D3DRMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -213,12 +253,12 @@ class D3DAttention(nn.Module):
 class D3DMLP(nn.Module):
     """SwiGLU feed-forward block: `down(act(gate(x)) * up(x))`."""
 
-    def __init__(self, config: D3DConfig) -> None:
+    def __init__(self, config: D3DConfig, layer_idx: int = 0) -> None:
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = _projection(config, "gate_proj", hidden, inner, bias)
-        self.up_proj = _projection(config, "up_proj", hidden, inner, bias)
-        self.down_proj = _projection(config, "down_proj", inner, hidden, bias)
+        self.gate_proj = _projection(config, "gate_proj", hidden, inner, bias, layer_idx)
+        self.up_proj = _projection(config, "up_proj", hidden, inner, bias, layer_idx)
+        self.down_proj = _projection(config, "down_proj", inner, hidden, bias, layer_idx)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor, block_gate: torch.Tensor | None = None) -> torch.Tensor:
@@ -232,7 +272,7 @@ class D3DDecoderLayer(nn.Module):
     def __init__(self, config: D3DConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = D3DAttention(config, layer_idx)
-        self.mlp = D3DMLP(config)
+        self.mlp = D3DMLP(config, layer_idx)
         self.input_layernorm = D3DRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = D3DRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

@@ -41,6 +41,7 @@ from .layers_d3d import (
     D3DMaskEmbedding,
     D3DRMSNorm,
     D3DRotaryEmbedding,
+    create_block_adapters,
     eager_attention_forward,
     kernel_attention_interface,
 )
@@ -400,23 +401,19 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         """The drafter-specific part of `state_dict()` (what a `shares_target_weights` checkpoint stores)."""
         return {k: v for k, v in self.state_dict().items() if self.is_drafter_specific(k)}
 
-    def add_block_adapter(self, rank: int, alpha: float = 16.0, modules: list[str] | None = None) -> None:
-        """Adds fresh block adapters (see `D3DLinear`) to every decoder layer and records them in the config.
+    def add_block_adapter(
+        self, rank: int, alpha: float = 16.0, modules: list[str] | None = None, full_layers: int = 0
+    ) -> None:
+        """Adds fresh block adapters (see `D3DLinear`) to every decoder layer and records them in the config; the last
+        `full_layers` layers get full-rank ones (`D3DConfig.block_lora_full_layers`: block-row-only full weights).
 
         Raises:
-            ValueError: if `rank < 1` or the drafter already has adapters.
+            ValueError: if `rank < 1`, `full_layers` is not in `[0, num_hidden_layers]`, or the drafter already has
+                adapters.
         """
-        if rank < 1:
-            raise ValueError(f"`rank` must be >= 1, got {rank}.")
         if self.config.block_lora_rank > 0:
             raise ValueError(f"The drafter already has block adapters of rank {self.config.block_lora_rank}.")
-        modules = list(modules or self.config.block_lora_modules)
-        self.config.block_lora_rank, self.config.block_lora_alpha = int(rank), float(alpha)
-        self.config.block_lora_modules = modules
-        for layer in self.model.layers:
-            for name in modules:
-                parent = layer.self_attn if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp
-                getattr(parent, name).add_adapter(rank, alpha)
+        create_block_adapters(self.config, self.model.layers, rank, alpha, modules, full_layers)
 
     def attach_target_weights(self, target: PreTrainedModel) -> None:
         """Makes the drafter use the target's own tensors for everything but its drafter-specific weights.

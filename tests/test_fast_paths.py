@@ -143,10 +143,10 @@ def test_d3d_loop_verifies_on_gqa_attention_losslessly():
         assert target.config._attn_implementation == "sdpa"
 
 
-def _adapted_drafter(modules=None, seed=0, fused_projections=False, rank=4, bias=False):
+def _adapted_drafter(modules=None, seed=0, fused_projections=False, rank=4, bias=False, full_layers=0):
     torch.manual_seed(seed)
     drafter = D3DForDiffusionDrafting.from_autoregressive(tiny_target("qwen3"), block_size=6)
-    drafter.add_block_adapter(rank=rank, alpha=8.0, modules=modules)
+    drafter.add_block_adapter(rank=rank, alpha=8.0, modules=modules, full_layers=full_layers)
     for name, param in drafter.named_parameters():
         if "lora_B" in name:
             param.data.normal_(0, 0.2)  # a fresh adapter's B is zero: make it do something
@@ -193,6 +193,26 @@ def test_fused_block_adapters_equal_the_per_projection_adapters(modules, layout,
     assert (ran in _group_cache(drafter, "q_proj")) == (modules is None or "q_proj" in modules), "the fused path ran"
     assert (ran in _group_cache(drafter, "down_proj")) == (modules is None or "down_proj" in modules)
     assert (ran in _group_cache(drafter, "gate_proj")) == (modules is None or "up_proj" in modules)
+
+
+@pytest.mark.parametrize("fused_projections", [False, True])
+@pytest.mark.parametrize("layout", ["suffix", "batch"])
+def test_fused_block_adapters_with_full_rank_last_layers(layout, fused_projections):
+    """`block_lora_full_layers`: the last layer's adapters have full rank, which differs by projection (q/o/gate/up/
+    down min(in, out), k/v the key-value width); the fused paths stack them at their own offsets."""
+    drafter = _adapted_drafter(fused_projections=fused_projections, full_layers=1)
+    last, first = drafter.model.layers[-1], drafter.model.layers[0]
+    attn = last.self_attn
+    assert attn.q_proj.rank == min(attn.q_proj.in_features, attn.q_proj.out_features)
+    assert attn.k_proj.rank == attn.k_proj.out_features < attn.q_proj.rank  # ranks differ within the q/k/v group
+    assert first.self_attn.q_proj.rank == 4 and first.mlp.down_proj.rank == 4
+    assert attn.q_proj.lora_scaling == first.self_attn.q_proj.lora_scaling == 8.0 / 4  # one scale for all
+    ids, block = random_prompt(10), torch.zeros(1, 10, dtype=torch.bool)
+    block[:, 4:] = True
+    if layout == "batch":
+        ids, block = torch.cat([ids, ids.flip(1)]), torch.cat([block, block.flip(1)])
+    out, ref = _forward_both_ways(drafter, ids, block)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fused_projections", [False, True])

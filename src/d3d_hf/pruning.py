@@ -168,8 +168,9 @@ def layer_subset(drafter: D3DForDiffusionDrafting, keep: Sequence[int]) -> Itera
 
 def pruned_drafter(drafter: D3DForDiffusionDrafting, keep: Sequence[int]) -> D3DForDiffusionDrafting:
     """A new drafter holding only the decoder layers `keep` of `drafter` (weights copied), with every per-layer
-    config field updated: `num_hidden_layers`, `source_layer_ids` (the target layers the kept layers came from) and
-    `pruned_layer_ids` (indices of the kept layers in the unpruned drafter; composed over repeated pruning).
+    config field updated: `num_hidden_layers`, `source_layer_ids` (the target layers the kept layers came from),
+    `pruned_layer_ids` (indices of the kept layers in the unpruned drafter; composed over repeated pruning) and
+    `block_lora_full_layers` (the kept layers among the full-rank ones).
 
     A drafter that shares its target's weights gets them attached again from the same target.
 
@@ -185,6 +186,9 @@ def pruned_drafter(drafter: D3DForDiffusionDrafting, keep: Sequence[int]) -> D3D
     config.num_hidden_layers = len(keep)
     config.source_layer_ids = [source[i] for i in keep]
     config.pruned_layer_ids = [earlier[i] for i in keep]
+    # the full-rank adapters are on the last layers, and stay on the kept ones among them, which stay last
+    full = getattr(drafter.config, "block_lora_full_layers", 0)
+    config.block_lora_full_layers = sum(i >= drafter.config.num_hidden_layers - full for i in keep)
     pruned = D3DForDiffusionDrafting(config).to(dtype=next(drafter.parameters()).dtype)
     pruned.load_state_dict(state, strict=True)
     pruned.card_data = getattr(drafter, "card_data", None)
@@ -243,6 +247,7 @@ def truncate_block_adapters(drafter: D3DForDiffusionDrafting, rank: int) -> dict
         module.lora_A = nn.Parameter(new_a.to(dtype).contiguous(), requires_grad=module.lora_A.requires_grad)
         module.lora_B = nn.Parameter(new_b.to(dtype).contiguous(), requires_grad=module.lora_B.requires_grad)
     drafter.config.block_lora_rank = rank
+    drafter.config.block_lora_full_layers = 0  # the full-rank adapters of the last layers were lowered too
     return kept
 
 

@@ -55,6 +55,10 @@ class D3DTrainingConfig(SFTConfig):
             of `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj` (a capacity option: e.g.
             the MLP only). `None` (default) means all seven. A drafter that already has adapters keeps its own, and
             the trainer refuses a different list here.
+        block_lora_full_layers (`int`, defaults to 0): the last this many layers get full-rank block adapters
+            (`D3DConfig.block_lora_full_layers`: block-row-only full weights in the last layers, a capacity option).
+            Like `block_lora_modules`, it shapes new adapters only; the trainer refuses a value other than the
+            drafter's for a drafter that has adapters.
         freeze_embeddings (`bool`, defaults to `True`): keep embeddings and LM head frozen in `"full"` mode.
         peft_lora_rank (`int`, defaults to 16), peft_lora_alpha (`float`, defaults to 32.0): PEFT LoRA settings of
             `train_mode="peft"` when the trainer gets no `peft_config`.
@@ -98,6 +102,9 @@ class D3DTrainingConfig(SFTConfig):
     block_lora_modules: list[str] | None = field(
         default=None,
         metadata={"help": "Projections new block adapters act on (default: all seven: q,k,v,o,gate,up,down _proj)."},
+    )
+    block_lora_full_layers: int = field(
+        default=0, metadata={"help": "The last N layers get full-rank block adapters (block-row-only full weights)."}
     )
     freeze_embeddings: bool = field(default=True, metadata={"help": "Freeze embeddings/LM head in full mode."})
     peft_lora_rank: int = field(default=16, metadata={"help": "PEFT LoRA rank (train_mode=peft)."})
@@ -152,6 +159,7 @@ class D3DTrainingConfig(SFTConfig):
             "block_size": (self.block_size, 2, "None (the drafter's) or a block size such as 16"),
             "max_length": (self.max_length, 2, "512 (or None: no limit)"),
             "block_lora_rank": (self.block_lora_rank, 1, "32"),
+            "block_lora_full_layers": (self.block_lora_full_layers, 0, "0, or a few such as 2"),
             "peft_lora_rank": (self.peft_lora_rank, 1, "16"),
             "tau_eval_steps": (self.tau_eval_steps, 0, "0 (never) or a step interval"),
             "tau_eval_max_new_tokens": (self.tau_eval_max_new_tokens, 1, "64"),

@@ -201,12 +201,19 @@ class D3DTrainer(SFTTrainer):
                 devices = [model.device.index or 0] if model.device.type == "cuda" else []
                 with torch.random.fork_rng(devices=devices):
                     torch.manual_seed(args.seed)
-                    model.add_block_adapter(args.block_lora_rank, args.block_lora_alpha, args.block_lora_modules)
+                    adapters = (args.block_lora_rank, args.block_lora_alpha, args.block_lora_modules)
+                    model.add_block_adapter(*adapters, full_layers=args.block_lora_full_layers)
             elif args.block_lora_modules is not None and args.block_lora_modules != model.config.block_lora_modules:
                 raise ValueError(
                     f"`block_lora_modules={args.block_lora_modules}` asks for new adapters, but the drafter already "
                     f"has block adapters on {model.config.block_lora_modules}: leave block_lora_modules unset to "
                     "train those, or start from a drafter without adapters."
+                )
+            elif args.block_lora_full_layers not in (0, model.config.block_lora_full_layers):
+                raise ValueError(
+                    f"`block_lora_full_layers={args.block_lora_full_layers}` asks for new adapters, but the drafter "
+                    f"already has block adapters with {model.config.block_lora_full_layers} full-rank layers: leave "
+                    "block_lora_full_layers at 0 to train those, or start from a drafter without adapters."
                 )
             for name, param in model.named_parameters():
                 trainable = model.is_drafter_specific(name)
