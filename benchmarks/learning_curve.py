@@ -148,24 +148,34 @@ def _render(table: dict, args) -> None:
         cells = [f"{found[n]['tau']:.2f} ({found[n]['lossless']:.0%})" for n in SETS]
         lines.append(f"| {capacity} | {samples} | " + " | ".join(cells) + " |")
     (Path(args.results) / "curve.md").write_text("\n".join(lines) + "\n")
+    series = {}
+    for capacity in sorted({c for c, _ in table}):
+        points = sorted((s, f) for (c, s), f in table.items() if c == capacity)
+        for name in SETS:
+            series[f"{capacity} {name}"] = [(s, f[name]["tau"]) for s, f in points]
+    _plot(series, {}, "training samples (target answers)", Path(args.results) / "curve.png")
+    print("\n".join(lines))
+
+
+def _plot(series: dict[str, list[tuple[int, float]]], references: dict[str, float], xlabel: str, path: Path) -> None:
+    """Tau against samples (log x), one line per `series` entry and a grey line per `references` entry."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for capacity in sorted({c for c, _ in table}):
-        points = sorted((s, f) for (c, s), f in table.items() if c == capacity)
-        for name in SETS:
-            ax.plot([s for s, _ in points], [f[name]["tau"] for _, f in points], marker="o", label=f"{capacity} {name}")
+    for label, xy in series.items():
+        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=label)
+    for (label, tau), style in zip(references.items(), ("--", ":", "-."), strict=False):
+        ax.axhline(tau, color="grey", linestyle=style, linewidth=1, label=label)
     ax.set_xscale("log")
-    ax.set_xlabel("training samples (target answers)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("drafter-alone tau")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(Path(args.results) / "curve.png", dpi=120)
-    print("\n".join(lines))
+    fig.savefig(path, dpi=120)
 
 
 #: the shipped drafter as `render_measured` describes it (`shipped-<set>.json` in a results folder)
@@ -216,24 +226,9 @@ def render_measured(results: Path) -> str:
         lines.append(f"| shipped ({SHIPPED}) | | | | " + " | ".join(cells) + " | |")
     table = "\n".join(lines) + "\n"
     (results / "curve.md").write_text(table)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (capacity, set_name), xy in sorted(points.items()):
-        xy.sort()
-        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=f"{capacity} {set_name}")
-    for (set_name, (tau, _)), style in zip(shipped.items(), ("--", ":", "-."), strict=False):
-        ax.axhline(tau, color="grey", linestyle=style, linewidth=1, label=f"shipped drafter, {set_name}")
-    ax.set_xscale("log")
-    ax.set_xlabel("training samples seen (target answers; steps x batch)")
-    ax.set_ylabel("drafter-alone tau")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(results / "curve.png", dpi=120)
+    series = {f"{capacity} {set_name}": sorted(xy) for (capacity, set_name), xy in sorted(points.items())}
+    references = {f"shipped drafter, {set_name}": tau for set_name, (tau, _) in shipped.items()}
+    _plot(series, references, "training samples seen (target answers; steps x batch)", results / "curve.png")
     return table
 
 
