@@ -170,6 +170,7 @@ def _valid_config_kwargs() -> dict:
         target_model="tiny",
         block_lora_rank=2,
         block_lora_alpha=8.0,
+        block_lora_full_layers=1,
         block_lora_modules=["q_proj", "v_proj"],
         shares_target_weights=False,
         draft_vocab_size=50,
@@ -275,6 +276,7 @@ INVALID_VALUES = {
     "pruned_layer_ids": _layer_ids(distinct=True),
     "target_model": st.one_of(st.integers(), st.floats(), st.booleans()),
     "block_lora_rank": _whole(0),
+    "block_lora_full_layers": st.one_of(_whole(0), st.integers(3, 10**6)),  # more than the 2 layers
     "block_lora_alpha": _real(0.0, inclusive=False),
     "block_lora_modules": _modules(),
     "shares_target_weights": _not_bool(),
