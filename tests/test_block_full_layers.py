@@ -107,3 +107,53 @@ def test_the_trainer_creates_and_trains_full_layers(target, conversations, tmp_p
             trainer.model, _config(tmp_path / "again", block_lora_full_layers=2),
             train_dataset=Dataset.from_list(list(conversations)[:8]), processing_class=_tokenizer(),
         )  # fmt: skip
+
+
+def test_truncating_to_a_rank_above_a_projections_width_keeps_it_exact(target, tmp_path):
+    """A projection narrower than the new rank (k/v here) keeps its whole update, padded with zeros to the rank."""
+    drafter = _drafter(target)
+    k_proj = drafter.model.layers[0].self_attn.k_proj
+    width = min(k_proj.in_features, k_proj.out_features)
+    drafter.add_block_adapter(width + 8, alpha=4.0)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    update = (k_proj.lora_B @ k_proj.lora_A * k_proj.lora_scaling).detach().clone()
+    truncate_block_adapters(drafter, width + 4)
+    assert k_proj.lora_A.shape[0] == width + 4
+    torch.testing.assert_close(k_proj.lora_B @ k_proj.lora_A * k_proj.lora_scaling, update, rtol=1e-4, atol=1e-5)
+    drafter.save_pretrained(tmp_path / "t")
+    _assert_lossless(target, D3DForDiffusionDrafting.from_pretrained(tmp_path / "t").eval())
+
+
+def test_the_trainer_refuses_full_layers_it_cannot_use(target, conversations, tmp_path):  # noqa: F811
+    with pytest.raises(ValueError, match=r"`block_lora_full_layers=2` shapes block adapters, which only"):
+        _config(tmp_path / "full", train_mode="full", block_lora_full_layers=2)
+    layers = len(_drafter(target).model.layers)
+    with pytest.raises(ValueError, match=rf"`block_lora_full_layers={layers + 1}` is more than the drafter's"):
+        D3DTrainer(
+            _drafter(target), _config(tmp_path / "many", block_lora_full_layers=layers + 1),
+            train_dataset=conversations, processing_class=_tokenizer(),
+        )  # fmt: skip
+
+
+def test_resuming_with_other_adapter_shapes_is_refused_before_any_step(target, conversations, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    first = D3DTrainer(
+        _drafter(target), _config(run, max_steps=1, save_strategy="steps", save_steps=1, block_lora_full_layers=1),
+        train_dataset=conversations, processing_class=_tokenizer(),
+    )  # fmt: skip
+    first.train()
+    again = D3DTrainer(
+        _drafter(target), _config(run, max_steps=2), train_dataset=conversations, processing_class=_tokenizer()
+    )
+    with pytest.raises(ValueError, match=r"block_lora_full_layers=1 there, 0 here.*resume with the flags"):
+        again.train(resume_from_checkpoint=True)
+    assert again.state.global_step == 0
+    same = D3DTrainer(
+        _drafter(target), _config(run, max_steps=2, block_lora_full_layers=1),
+        train_dataset=conversations, processing_class=_tokenizer(),
+    )  # fmt: skip
+    same.train(resume_from_checkpoint=True)
+    assert same.state.global_step == 2

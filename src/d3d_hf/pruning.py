@@ -237,12 +237,16 @@ def truncate_block_adapters(drafter: D3DForDiffusionDrafting, rank: int) -> dict
         lora_a, lora_b = module.lora_A.float(), module.lora_B.float() * module.lora_scaling
         q_b, r_b = torch.linalg.qr(lora_b)  # B = Q_b R_b, A^T = Q_a R_a: s B A = Q_b (R_b R_a^T) Q_a^T
         q_a, r_a = torch.linalg.qr(lora_a.t())
-        u, sigma, vh = torch.linalg.svd(r_b @ r_a.t())
+        u, sigma, vh = torch.linalg.svd(r_b @ r_a.t(), full_matrices=False)
         energy = sigma.square()
         kept[name] = float(energy[:rank].sum() / energy.sum()) if float(energy.sum()) > 0 else 1.0
         scaling = alpha / rank
-        new_b = (q_b @ u[:, :rank]) * sigma[:rank] / scaling
-        new_a = vh[:rank] @ q_a.t()
+        k = sigma[:rank].numel()  # below `rank` when the update has lower rank (a projection narrower than it)
+        new_b = (q_b @ u[:, :k]) * sigma[:k] / scaling
+        new_a = vh[:k] @ q_a.t()
+        if k < rank:  # padded with zeros to the drafter's one rank: the same update
+            new_b = torch.cat([new_b, new_b.new_zeros(new_b.shape[0], rank - k)], dim=1)
+            new_a = torch.cat([new_a, new_a.new_zeros(rank - k, new_a.shape[1])])
         module.rank, module.lora_scaling = rank, scaling
         module.lora_A = nn.Parameter(new_a.to(dtype).contiguous(), requires_grad=module.lora_A.requires_grad)
         module.lora_B = nn.Parameter(new_b.to(dtype).contiguous(), requires_grad=module.lora_B.requires_grad)

@@ -155,6 +155,12 @@ class D3DTrainingConfig(SFTConfig):
             self.block_lora_modules = list(modules)
         if self.train_mode not in ("block_adapter", "full", "peft"):
             raise ValueError(f"`train_mode` must be block_adapter, full or peft, got {self.train_mode!r}.")
+        if self.block_lora_full_layers and self.train_mode != "block_adapter":
+            raise ValueError(
+                f"`block_lora_full_layers={self.block_lora_full_layers}` shapes block adapters, which only "
+                f"train_mode=block_adapter trains (this run: {self.train_mode!r}): drop --block_lora_full_layers, or "
+                "pass --train_mode block_adapter."
+            )
         whole = {
             "block_size": (self.block_size, 2, "None (the drafter's) or a block size such as 16"),
             "max_length": (self.max_length, 2, "512 (or None: no limit)"),

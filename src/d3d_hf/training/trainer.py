@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 from pathlib import Path
@@ -195,6 +196,12 @@ class D3DTrainer(SFTTrainer):
         """Freezes/unfreezes parameters for `train_mode` (PEFT freezes the base itself when it wraps the model)."""
         self.clean_requires_grad = True
         if args.train_mode == "block_adapter":
+            layers = len(model.model.layers)
+            if model.config.block_lora_rank == 0 and args.block_lora_full_layers > layers:
+                raise ValueError(
+                    f"`block_lora_full_layers={args.block_lora_full_layers}` is more than the drafter's {layers} "
+                    f"layers: set --block_lora_full_layers to a number in [0, {layers}]."
+                )
             if model.config.block_lora_rank == 0:
                 # new adapters follow `args.seed`, not whatever state the global generator is in (two runs of the
                 # same command in one process would otherwise start from different adapters)
@@ -331,9 +338,36 @@ class D3DTrainer(SFTTrainer):
                 f"was interrupted). Resume from {last or 'an earlier complete checkpoint'} instead, or pass "
                 "`resume_from_checkpoint=True` to pick the last complete one."
             )
+        if resume_from_checkpoint:
+            self._check_checkpoint_shapes(resume_from_checkpoint)
         return super().train(
             resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
         )
+
+    #: the config fields that decide the drafter's weight shapes, hence whether a checkpoint loads into this run
+    SHAPE_FIELDS = ("num_hidden_layers", "block_lora_rank", "block_lora_modules", "block_lora_full_layers",
+                    "draft_vocab_size")  # fmt: skip
+
+    def _check_checkpoint_shapes(self, checkpoint: str) -> None:
+        """Refuses, before any step, a checkpoint whose drafter has other weight shapes than this run's (made with
+        other `--block_lora_*` flags, say), which transformers would otherwise fail to load with a size mismatch."""
+        saved = Path(checkpoint) / "config.json"
+        model = self.accelerator.unwrap_model(self.model)
+        config = getattr(model.get_base_model() if hasattr(model, "get_base_model") else model, "config", None)
+        if not saved.is_file() or config is None or getattr(config, "model_type", None) != "d3d":
+            return
+        saved = json.loads(saved.read_text())
+        differ = [
+            f"{name}={saved.get(name)!r} there, {getattr(config, name, None)!r} here"
+            for name in self.SHAPE_FIELDS
+            if name in saved and saved.get(name) != getattr(config, name, None)
+        ]
+        if differ:
+            raise ValueError(
+                f"{checkpoint} holds a drafter of other weight shapes than this run builds ({'; '.join(differ)}): "
+                "resume with the flags of the run that wrote it (e.g. the same --block_lora_rank, --block_lora_modules "
+                "and --block_lora_full_layers), or train into a new output_dir."
+            )
 
     # ------------------------------------------------------------------------------------------------------------
     # saving: the drafter's own card, PEFT drafters merged or as an adapter folder naming its base drafter
