@@ -310,3 +310,20 @@ def test_remote_code_saves_without_d3d_hf(drafter, tmp_path):
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
     assert (dst / "modeling_d3d.py").is_file() and (dst / "model.safetensors").is_file()
     assert not (dst / "README.md").exists()
+
+
+def test_card_of_a_weight_sharing_drafter_says_what_it_holds():
+    """A drafter that runs on its target's weights: the card counts only its own parameters, names its block adapters
+    (full rank in the last layers too), and does not call it standalone."""
+    target = tiny_target("llama")
+    sharing = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4, shares_target_weights=True)
+    sharing.add_block_adapter(2, alpha=4.0, modules=["q_proj", "down_proj"], full_layers=1)
+    sharing.attach_target_weights(target)
+    own = sum(t.numel() for t in sharing.drafter_state_dict().values())
+    _, body = split_card(render_model_card(sharing))
+    assert f"| Parameters | {own:,} of its own" in body
+    assert "| Block adapters | rank 2 on q_proj, down_proj, only at draft-block rows; full rank in the last 1 layers |" in body
+    assert "needs nothing from the target" not in body and "runs on the target's own weights" in body
+    standalone = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
+    _, body = split_card(render_model_card(standalone))
+    assert "a standalone block-diffusion language model" in body and "| Block adapters |" not in body

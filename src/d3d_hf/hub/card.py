@@ -188,11 +188,23 @@ def render_model_card(
         mask_note = f"it reuses the spare vocabulary id {config.mask_token_id}, which the tokenizer does not produce."
     num_parameters = "not recorded"
     dtype = getattr(config, "dtype", None)
+    shares = bool(getattr(config, "shares_target_weights", False))
     if model is not None and hasattr(model, "parameters"):
-        n = sum(p.numel() for p in model.parameters())
-        num_parameters = f"{n:,} ({n / 1e9:.2f} B)" if n >= 1e8 else f"{n:,}"
+        if shares and hasattr(model, "drafter_state_dict"):  # the target's tensors are attached, not stored
+            n = sum(t.numel() for t in model.drafter_state_dict().values())
+            num_parameters = f"{n:,} of its own (the target's layers, embeddings and LM head are shared, not stored)"
+        else:
+            n = sum(p.numel() for p in model.parameters())
+            num_parameters = f"{n:,} ({n / 1e9:.2f} B)" if n >= 1e8 else f"{n:,}"
         first = next(model.parameters(), None)
         dtype = first.dtype if first is not None else dtype
+    rank = getattr(config, "block_lora_rank", 0)
+    adapters = None
+    if rank:
+        full = getattr(config, "block_lora_full_layers", 0)
+        adapters = f"rank {rank} on {', '.join(config.block_lora_modules)}, only at draft-block rows" + (
+            f"; full rank in the last {full} layers" if full else ""
+        )
     layer_ids = getattr(config, "source_layer_ids", None)
     model_info = {
         "block_size": config.block_size,
@@ -208,6 +220,8 @@ def render_model_card(
         "source_layer_ids": layer_ids if layer_ids is not None else "not recorded",
         "mask": mask,
         "mask_note": mask_note,
+        "shares_target_weights": shares,
+        "adapters": adapters,
     }
     if source_model:
         init = f"Initialised from {source_model}"
