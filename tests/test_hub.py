@@ -322,7 +322,8 @@ def test_card_of_a_weight_sharing_drafter_says_what_it_holds():
     own = sum(t.numel() for t in sharing.drafter_state_dict().values())
     _, body = split_card(render_model_card(sharing))
     assert f"| Parameters | {own:,} of its own" in body
-    assert "| Block adapters | rank 2 on q_proj, down_proj, only at draft-block rows; full rank in the last 1 layers |" in body
+    adapters = "rank 2 on q_proj, down_proj, only at draft-block rows; full rank in the last 1 layers"
+    assert f"| Block adapters | {adapters} |" in body
     assert "needs nothing from the target" not in body and "runs on the target's own weights" in body
     standalone = D3DForDiffusionDrafting.from_autoregressive(target, block_size=4)
     _, body = split_card(render_model_card(standalone))
