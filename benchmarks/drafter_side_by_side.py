@@ -88,10 +88,10 @@ def render(args) -> str:
     header += " | ".join(f"tau {n} {o}-{o + k - 1}" for n, (o, k) in SETS.items()) + " |"
     lines += [header, "|---|---|---|" + "---|" * len(SETS)]
     for drafter in args.drafters:
-        row = next((v for k, v in (costs or {}).get("drafters", {}).items() if k.startswith(f"{drafter} (")), None)
-        label = next((k for k in (costs or {}).get("drafters", {}) if k.startswith(f"{drafter} (")), "")
-        layers = label[len(drafter) + 2 :].split(",")[0] if label else "-"
-        shape = f"{layers}, {row['head_rows']}" if row else "-"
+        # small_drafter_cost.py labels a trained drafter's row "NAME (LAYERS, trained)"
+        rows = (costs or {}).get("drafters", {})
+        label, row = next(((k, v) for k, v in rows.items() if k.startswith(f"{drafter} (")), ("", None))
+        shape = f"{label[len(drafter) + 2 :].split(',')[0]}, {row['head_rows']}" if row else "-"
         passes = " / ".join(f"{row['steps'][q]:.2f}" for q in ("1", "8", "16")) if row else "-"
         cells = []
         for name in SETS:
