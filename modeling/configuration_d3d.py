@@ -65,7 +65,14 @@ _WHOLE_NUMBER_FIELDS = {
     "block_lora_rank": (0, "0 (no block adapters) or a rank such as 32"),
     "block_lora_full_layers": (0, "0 (every adapter of rank `block_lora_rank`) or a few, such as 2"),
 }
-_BOOL_FIELDS = ("attention_bias", "mlp_bias", "use_qk_norm", "tie_word_embeddings", "shares_target_weights")
+_BOOL_FIELDS = (
+    "attention_bias",
+    "mlp_bias",
+    "use_qk_norm",
+    "tie_word_embeddings",
+    "shares_target_weights",
+    "shares_target_cache",
+)
 _OPTIONAL_STR_FIELDS = ("source_model", "target_model")
 #: Every field `validate_config` checks (the arguments of `D3DConfig.__init__`).
 _ALL_FIELDS = (
@@ -143,9 +150,10 @@ def validate_config(config: PretrainedConfig | Mapping[str, Any]) -> None:
             (`pruned_layer_ids` distinct); `hidden_act` a transformers activation name; `rms_norm_eps` a finite
             number > 0; `rope_parameters` a dict with a known `rope_type`, a finite `rope_theta` > 0 and the keys its
             type reads; the flags (`attention_bias`, `mlp_bias`, `use_qk_norm`, `tie_word_embeddings`,
-            `shares_target_weights`) bools; `block_lora_alpha` a finite number > 0; `block_lora_modules` None or a
-            non-empty list of distinct names from `DEFAULT_BLOCK_LORA_MODULES`; `initializer_range` a finite number
-            >= 0; `attention_dropout` a number in `[0, 1)`; `source_model` / `target_model` None or a str;
+            `shares_target_weights`, `shares_target_cache`) bools; `block_lora_alpha` a finite number > 0;
+            `block_lora_modules` None or a non-empty list of distinct names from `DEFAULT_BLOCK_LORA_MODULES`;
+            `initializer_range` a finite number >= 0; `attention_dropout` a number in `[0, 1)`; `source_model` /
+            `target_model` None or a str;
             `bos_token_id` / `pad_token_id` None or an int, `eos_token_id` None, an int or a list of ints.
     """
     if isinstance(config, Mapping):
@@ -413,6 +421,16 @@ class D3DConfig(PretrainedConfig):
             layers (`source_layer_ids` of the target), final norm and LM head are the target's own tensors,
             attached with `attach_target_weights(target)` (done automatically by `target.generate(...,
             assistant_model=drafter)`). Keeps a full-depth drafter a few MB on disk and free in memory.
+        shares_target_cache (`bool`, *optional*, defaults to `False`):
+            The drafter has no path of its own for the committed context: in a draft pass, its layer `i` attends to
+            the target's cached keys and values of layer `source_layer_ids[i]` (the layers it was initialised
+            from; layer `i` when `None`) for every committed token before the anchor, and computes keys and
+            values only for the anchor and the masks ("query-only layers over the target's keys and values",
+            d3d-hf issue 37; EAGLE-style drafters read target features likewise). A few such layers then draft
+            over a context the target's full depth has already computed. Such a drafter drafts only in D3D's own
+            synchronous loop, which keeps the target's cache at the committed tokens (`generate` refuses the
+            other configurations), and it trains with the target in the loop (`d3d_hf.training`: the target's
+            no-grad forward gives the keys and values).
         draft_vocab_size (`int`, *optional*):
             A draft vocabulary (FR-Spec, arXiv 2502.14856): the LM head has rows for only these many ids, the most
             frequent of the target's answers, saved as the buffer `draft_vocab_ids` (`torch.LongTensor` of shape
@@ -472,6 +490,7 @@ class D3DConfig(PretrainedConfig):
         block_lora_modules: list[str] | None = None,
         block_lora_full_layers: int = 0,
         shares_target_weights: bool = False,
+        shares_target_cache: bool = False,
         draft_vocab_size: int | None = None,
         initializer_range: float = 0.02,
         attention_dropout: float = 0.0,
@@ -518,6 +537,7 @@ class D3DConfig(PretrainedConfig):
         self.block_lora_modules = list(DEFAULT_BLOCK_LORA_MODULES if block_lora_modules is None else block_lora_modules)
         self.block_lora_full_layers = int(block_lora_full_layers)
         self.shares_target_weights = bool(shares_target_weights)
+        self.shares_target_cache = bool(shares_target_cache)
         self.draft_vocab_size = draft_vocab_size
         self.initializer_range = initializer_range
         self.attention_dropout = attention_dropout

@@ -38,16 +38,25 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=4)
 
 
-def resolve_asynchronous(options: D3DGenerationOptions, device: torch.device, overrides: dict[str, str]) -> bool:
+def resolve_asynchronous(
+    options: D3DGenerationOptions, device: torch.device, overrides: dict[str, str], drafter_config=None
+) -> bool:
     """Whether a call runs packed successor drafting (`d3d_async` resolved).
 
     `True` is honoured on every device, with one warning per process on CPU, where the packed pass and the
     verification share the cores (measured slower than synchronous drafting in every recorded setting,
     benchmarks/results/async/). `"auto"` drafts asynchronously on CUDA when nothing in the call needs synchronous
     rounds (a tree, an explicit adaptive plan or lookup, the target's matmul layouts), synchronously otherwise; the
-    reason is recorded in `overrides["d3d_async"]`.
+    reason is recorded in `overrides["d3d_async"]`. A drafter over the target's cache (`drafter_config.
+    shares_target_cache`) drafts only synchronously: `"auto"` resolves to `False`, and `True` raises `ValueError`.
     """
     if options.asynchronous is True:
+        if getattr(drafter_config, "shares_target_cache", False):
+            raise ValueError(
+                "d3d_async=True drafts in a packed pass over the drafter's own cache, and this drafter has none: it "
+                "attends to the target's cache (`shares_target_cache=True`), which only synchronous rounds share. "
+                "Leave d3d_async at 'auto' or set it to False."
+            )
         if device.type != "cuda":
             _warn_once(
                 "async-cpu",
@@ -59,6 +68,7 @@ def resolve_asynchronous(options: D3DGenerationOptions, device: torch.device, ov
     if options.asynchronous is False:
         return False
     blockers = [
+        (getattr(drafter_config, "shares_target_cache", False), "the drafter attends to the target's cache"),
         (device.type != "cuda", f"{device.type}: the packed pass and the verification share the cores"),
         (options.tree_budget is not None, "tree verification drafts synchronously"),
         (options.is_explicit("num_drafts") and options.num_drafts == "adaptive", "the adaptive plan was asked for"),
@@ -143,7 +153,7 @@ class D3DCandidateGenerator(CandidateGenerator):
             stats.overrides["d3d_sampling"] = "invariant -> speculative: transformers' assisted-generation loop"
         self.passes = DraftPasses(drafter)
         self.round_clock = RoundClock(stats.draft_seconds, stats.verify_seconds)
-        stats.asynchronous = resolve_asynchronous(options, self.passes.device, stats.overrides)
+        stats.asynchronous = resolve_asynchronous(options, self.passes.device, stats.overrides, drafter.config)
         if stats.asynchronous and self.batch_size > 1:  # `"auto"` on CUDA (`True` was refused for a batch)
             stats.asynchronous = False
             stats.overrides["d3d_async"] = "auto -> False: a batch drafts synchronously (batched_decoding_d3d)"
@@ -206,6 +216,8 @@ class D3DCandidateGenerator(CandidateGenerator):
         (`source_layer_ids` 0, 1, ...; block adapters touch only the block rows), and drafting is synchronous."""
         config = self.drafter.config
         layers = list(config.source_layer_ids or range(config.num_hidden_layers))
+        if getattr(config, "shares_target_cache", False):  # it has no other way to see the committed context
+            return not self.stats.asynchronous
         return (
             self.options.share_target_cache
             and not self.stats.asynchronous
@@ -316,6 +328,8 @@ class D3DCandidateGenerator(CandidateGenerator):
         ready = self.successors.take_ready() if self.successors is not None else None
         lookup, ngram_size = planner.lookup(input_ids, limit, proposer.eos_token_ids)
         cache = self.passes.pass_cache()
+        if self.passes.awaits_prefill(cache):
+            return self._finish_round(input_ids, "target", [], [])
         num_pending = cur_len - cache.get_seq_length()
         ready_kwargs = {} if ready is None else {"ready_masks": ready.shape[0]}  # a user's policy may not take it
         decision = planner.policy.decide(

@@ -25,6 +25,7 @@ def from_autoregressive(
     block_lora_alpha: float = 16.0,
     shares_target_weights: bool = False,
     draft_vocab_ids: list[int] | None = None,
+    shares_target_cache: bool = False,
 ) -> PreTrainedModel:
     r"""
     Initialises a drafter from an autoregressive causal LM of the same tokenizer (Llama-, Mistral- or
@@ -58,6 +59,9 @@ def from_autoregressive(
             A draft vocabulary (FR-Spec, arXiv 2502.14856; `D3DConfig.draft_vocab_size`): the target ids the LM
             head covers, its rows copied from the source's head; the head is then untied from the embeddings.
             `None` (default): the full vocabulary. Not with `shares_target_weights`.
+        shares_target_cache (`bool`, defaults to `False`):
+            A drafter whose layers attend to the target's cached keys and values of the layers they were copied
+            from (`D3DConfig.shares_target_cache`: query-only layers over the target's cache).
 
     Returns:
         `D3DForDiffusionDrafting` in the source model's dtype and on its device, in eval mode.
@@ -115,6 +119,7 @@ def from_autoregressive(
         block_lora_rank=block_lora_rank,
         block_lora_alpha=block_lora_alpha,
         shares_target_weights=shares_target_weights,
+        shares_target_cache=shares_target_cache,
         bos_token_id=getattr(src_cfg, "bos_token_id", None),
         eos_token_id=getattr(src_cfg, "eos_token_id", None),
         pad_token_id=getattr(src_cfg, "pad_token_id", None),

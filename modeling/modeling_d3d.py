@@ -636,7 +636,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
         """Initialises a drafter from an autoregressive causal LM of the same tokenizer:
         `initialization_d3d.from_autoregressive(cls, model, ...)` (keyword arguments `num_layers`, `layer_ids`,
         `block_size`, `mask_token_id`, `source_model`, `target_model`, `block_lora_rank`, `block_lora_alpha`,
-        `shares_target_weights`, `draft_vocab_ids`; their meaning, the returns and the errors there)."""
+        `shares_target_weights`, `draft_vocab_ids`, `shares_target_cache`; their meaning, the returns and the errors there)."""
         return from_autoregressive(cls, model, *args, **kwargs)
 
 

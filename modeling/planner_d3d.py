@@ -43,16 +43,35 @@ class DraftPasses:
 
     def pass_cache(self) -> D3DCache:
         """The cache the next pass extends: the drafter's own, or a view of the target's (its layers' tensors, not
-        copied; the pass appends to the view, never to the target's cache)."""
+        copied; the pass appends to the view, never to the target's cache): the target's first layers, or for a
+        `shares_target_cache` drafter the layers `source_layer_ids` names."""
         if self.target_cache is None:
+            if getattr(self.drafter.config, "shares_target_cache", False):
+                raise ValueError(
+                    "This drafter attends to the target's cache (`shares_target_cache=True`) and has no cache of its "
+                    "own, so it drafts only in D3D's own synchronous loop for one sequence, over a `DynamicCache` "
+                    "of full-attention layers (`target.generate(input_ids, assistant_model=drafter)` with the "
+                    "default options). This call is not one: a batch or padded prompt, "
+                    "d3d_decoding_loop='transformers', or a call only transformers' loop can run."
+                )
             return self.cache
         view = D3DCache()
-        for layer in self.target_cache.layers[: self.drafter.config.num_hidden_layers]:
+        config = self.drafter.config
+        layer_ids = range(config.num_hidden_layers)
+        if getattr(config, "shares_target_cache", False):  # layer i attends to the target's layer source_layer_ids[i]
+            layer_ids = config.source_layer_ids or layer_ids
+        for layer in (self.target_cache.layers[i] for i in layer_ids):
             if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
                 return view  # nothing cached yet (before the prefill)
             view.key_cache.append(layer.keys)
             view.value_cache.append(layer.values)
         return view
+
+    def awaits_prefill(self, cache: D3DCache) -> bool:
+        """Whether this round must leave drafting to the target: the drafter attends to the target's cache
+        (`shares_target_cache`) and that cache is still empty (the first round's verification is the prefill), so
+        there is no context to draft over."""
+        return bool(getattr(self.drafter.config, "shares_target_cache", False)) and cache.get_seq_length() == 0
 
     def timed_pass(self, committed, cache, num_masks: int) -> tuple[torch.Tensor, float, float | None]:
         """A draft pass: `(block logits, its seconds, the seconds to learn or None)`."""

@@ -79,6 +79,8 @@ class TreeRounds:
             return self._finish(tree, "target", None, None, None)
         lookup, ngram_size = planner.lookup(input_ids, limit, proposer.eos_token_ids)
         cache = self.passes.pass_cache()
+        if self.passes.awaits_prefill(cache):
+            return self._finish(tree, "target", None, None, None)
         num_pending = cur_len - cache.get_seq_length()
         budget = self.block_size if self.budget == "adaptive" else self.budget
         if not hasattr(policy, "tree_gains"):  # a user's own policy object of an older kind

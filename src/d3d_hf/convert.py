@@ -609,10 +609,17 @@ def export_causal_lm(
         `LlamaForCausalLM` or `Qwen3ForCausalLM` in the drafter's dtype, on CPU, in eval mode.
 
     Raises:
-        ValueError: if the drafter shares its target's weights, they are not attached and no `target` is given.
+        ValueError: if the drafter shares its target's weights, they are not attached and no `target` is given; for
+            a drafter over the target's cache (`shares_target_cache`), which has no causal path.
     """
     from transformers import AutoModelForCausalLM
 
+    if getattr(drafter.config, "shares_target_cache", False):
+        raise ValueError(
+            "This drafter attends to the target's cache (`shares_target_cache=True`): its layers never ran over the "
+            "committed context on their own, so they make no causal LM. Export a drafter trained with an "
+            "autoregressive path (`ar_loss_weight > 0`) instead."
+        )
     if drafter.config.shares_target_weights and drafter._attached_target is None:
         if target is None:
             raise ValueError("This drafter shares its target's weights: pass `target=` to attach them first.")

@@ -102,10 +102,17 @@ def offline_acceptance(
         `AcceptanceResult`.
 
     Raises:
-        ValueError: if the prompt is empty or the continuation is longer than `max_new_tokens`.
+        ValueError: if the prompt is empty or the continuation is longer than `max_new_tokens`; for a drafter over
+            the target's cache (`shares_target_cache`), whose passes need the target's cache.
     """
     if not prompt_ids:
         raise ValueError("The prompt is empty.")
+    if getattr(drafter.config, "shares_target_cache", False):
+        raise ValueError(
+            "This drafter attends to the target's cache (`shares_target_cache=True`), which an offline replay does "
+            "not have: measure its acceptance with the target in the loop (`benchmarks/trl/compare_tau.py`, or "
+            "`target.generate(..., assistant_model=drafter)`)."
+        )
     if len(continuation) > max_new_tokens:
         raise ValueError(f"The continuation has {len(continuation)} tokens, more than max_new_tokens={max_new_tokens}.")
     device = drafter.model.embed_tokens.weight.device

@@ -227,6 +227,11 @@ def render_model_card(
         init = f"Initialised from {source_model}"
         init += f", keeping source layers {layer_ids}" if layer_ids is not None else ""
         init += f" ({config.num_hidden_layers} layers), plus the final norm, embeddings and LM head."
+        if getattr(config, "shares_target_cache", False):
+            init += (
+                " Its layers attend to the target's cached keys and values of those source layers"
+                " (`shares_target_cache`): it drafts only over the target's cache, in D3D's own synchronous loop."
+            )
     else:
         init = "The initialisation of this drafter was not recorded."
     target_display = target_model or "not recorded"

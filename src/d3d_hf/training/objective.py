@@ -221,6 +221,156 @@ def d3d_losses(
     return losses
 
 
+def target_cache_attention_mask(anchors: torch.LongTensor, clean_attention_mask: torch.Tensor, block_size: int):
+    """Attention mask of the blocks of a drafter over the target's cache (`target_cache_losses`).
+
+    Args:
+        anchors (`torch.LongTensor` of shape `(batch, K)`): anchor positions (-1 = unused block).
+        clean_attention_mask (`torch.Tensor` of shape `(batch, L)`): 1 for real tokens of the target's stream.
+        block_size (`int`): `B`; each block has `B` rows, the anchor then `B - 1` masks.
+
+    Returns:
+        `torch.BoolTensor` of shape `(batch, 1, K*B, L + K*B)`: row `(k, j)` may attend to the target's cached
+        position `t` iff `t < a_k` and `t` is real (the cache a draft pass reads holds the tokens before the anchor),
+        and to row `(k, j')` of its own block iff `j > 0` or `j' == 0`: the anchor attends causally (to itself), the
+        masks to the whole block, as `drafting_d3d.draft_attention_mask` lays out a synchronous draft pass. Rows of
+        unused blocks see only their own block (their loss is ignored).
+    """
+    batch, num_blocks = anchors.shape
+    length = clean_attention_mask.shape[1]
+    t = torch.arange(length, device=anchors.device)
+    clean = (t[None, None, :] < anchors[:, :, None]) & clean_attention_mask.bool()[:, None, :]  # (batch, K, L)
+    clean = clean[:, :, None, :].expand(batch, num_blocks, block_size, length)
+    clean = clean.reshape(batch, num_blocks * block_size, length)
+    block_id = torch.arange(num_blocks, device=anchors.device).repeat_interleave(block_size)
+    row = torch.arange(block_size, device=anchors.device).repeat(num_blocks)
+    same = (block_id[:, None] == block_id[None, :]) & ((row[:, None] > 0) | (row[None, :] == 0))
+    return torch.cat([clean, same[None].expand(batch, -1, -1)], dim=-1)[:, None]
+
+
+def target_cache_losses(
+    drafter: D3DForDiffusionDrafting,
+    inputs: dict[str, torch.Tensor],
+    block_size: int,
+    gamma: float,
+    target,
+    distill: bool = False,
+) -> dict[str, torch.Tensor]:
+    """The losses of one batch for a drafter over the target's cache (`D3DConfig.shares_target_cache`).
+
+    The target runs once without gradients over the clean batch; its keys and values of layer
+    `source_layer_ids[i]` are drafter layer `i`'s cache. Each block is then exactly the rows of a synchronous draft
+    pass anchored at `a` (`target_cache_attention_mask`): the anchor token and `B - 1` masks (or, with a mask ratio
+    below 1, some clean tokens) at positions `a .. a+B-1`, over the target's cache of positions `< a`. Row `j`
+    predicts token `x[a+j+1]`, draft token `d_{j+1}`, weighted by `exp(-j / gamma)` as in `d3d_losses`, so the first
+    draft token is scored in the block (this drafter has no autoregressive path of its own: there is no `ar_loss`).
+    With `distill`, `distill_loss` is the same position-weighted `KL(p || q)` as in `d3d_losses`, `p` the target's
+    next-token distribution at `a + j`, read from the same target forward (no extra pass).
+
+    Args:
+        drafter (`D3DForDiffusionDrafting`): a drafter with `config.shares_target_cache=True`.
+        inputs (`dict`): a `D3DDataCollator` batch.
+        block_size (`int`): `B`.
+        gamma (`float`): position-weight decay.
+        target (`PreTrainedModel`): the target (a causal LM of the Llama/Qwen3 layout, `DynamicCache` of its layers).
+        distill (`bool`, defaults to `False`): also compute `distill_loss`.
+
+    Returns:
+        `dict` with scalar float32 tensors `block_loss`, `ar_loss` (always 0), counts `block_tokens`, `ar_tokens`, and
+        `distill_loss` with `distill`; as `d3d_losses` (a batch with nothing to score gives a connected exact 0).
+
+    Raises:
+        ValueError: if the target has no `.model` backbone or fewer layers than `source_layer_ids` names.
+    """
+    input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+    anchors, block_masked = inputs["anchors"], inputs["block_masked"]
+    batch, length = input_ids.shape
+    device = input_ids.device
+    loss_mask = inputs.get("loss_mask")
+    if loss_mask is not None:
+        loss_mask = loss_mask.to(device=device, dtype=torch.bool)
+    unwrapped = getattr(drafter, "module", drafter)
+    base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+    config = base.config
+    backbone = getattr(target, "model", None)
+    if backbone is None:
+        raise ValueError(f"{type(target).__name__} has no `.model` backbone: pass a causal LM (Llama/Qwen3 layout).")
+    layer_ids = list(config.source_layer_ids or range(config.num_hidden_layers))
+    with torch.no_grad():
+        out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=True)
+    layers = getattr(out.past_key_values, "layers", None) or []
+    if max(layer_ids) >= len(layers):
+        raise ValueError(
+            f"The drafter reads the target's cache of layers {layer_ids}, but {type(target).__name__} cached "
+            f"{len(layers)} layers: pass the target the drafter was made for ({config.target_model})."
+        )
+    dtype = next(p for p in base.parameters() if p.is_floating_point()).dtype
+    cache = D3DCache()
+    for layer_id in layer_ids:
+        cache.key_cache.append(layers[layer_id].keys.to(dtype))
+        cache.value_cache.append(layers[layer_id].values.to(dtype))
+
+    vocab_index = _draft_vocab_index(drafter, device)
+    head_kwargs = {} if vocab_index is None else {"draft_vocab_logits": True}
+    valid_block = anchors >= 0
+    j = torch.arange(block_size, device=device)
+    pos = anchors.clamp(min=0)[:, :, None] + j  # (batch, K, B): position of block row j
+    lengths = attention_mask.sum(-1)
+    beyond = pos >= lengths[:, None, None]
+    pos_c = pos.clamp(max=length - 1)
+    clean_tokens = torch.gather(input_ids, 1, pos_c.view(batch, -1)).view_as(pos)
+    # row 0 is the anchor (a clean token); rows 1.. are masked as the collator drew (`block_masked`)
+    masked = torch.cat([torch.zeros_like(block_masked[:, :, :1]), block_masked.to(device)], dim=-1) | beyond
+    masked[:, :, 0] = False
+    row_ids = torch.where(masked, torch.zeros_like(clean_tokens), clean_tokens)
+    target_pos = pos + 1
+    target_ok = valid_block[:, :, None] & (target_pos < lengths[:, None, None])
+    # a target that the block shows as a clean token is not scored (the last row predicts past the block)
+    next_masked = torch.cat([masked[:, :, 1:], torch.ones_like(masked[:, :, :1])], dim=-1)
+    scored = target_ok & next_masked
+    if loss_mask is not None:
+        scored = scored & torch.gather(loss_mask, 1, target_pos.clamp(max=length - 1).view(batch, -1)).view_as(pos)
+    targets = torch.gather(input_ids, 1, target_pos.clamp(max=length - 1).view(batch, -1)).view_as(pos)
+    if vocab_index is not None:
+        targets = vocab_index[targets]
+        scored = scored & (targets >= 0)
+
+    blocks = drafter(
+        input_ids=row_ids.view(batch, -1),
+        masked_positions=masked.view(batch, -1),
+        block_positions=masked.view(batch, -1),
+        attention_mask=target_cache_attention_mask(anchors, attention_mask, block_size),
+        position_ids=pos.view(batch, -1),
+        past_key_values=cache,
+        use_cache=True,
+        **head_kwargs,
+    )
+    weights = torch.exp(-j.float() / gamma)[None, None].expand_as(pos) * scored
+    zero = torch.zeros((), device=device)
+    losses = {"ar_loss": zero, "ar_tokens": torch.zeros((), dtype=torch.long, device=device)}
+    if scored.any():
+        logits = blocks.logits.view(batch, -1, block_size, blocks.logits.shape[-1])[scored].float()
+        ce = F.cross_entropy(logits, targets[scored], reduction="none")
+        losses["block_loss"] = (ce * weights[scored]).sum() / weights[scored].sum()
+    else:
+        losses["block_loss"] = blocks.logits[:, :0].float().sum()
+    losses["block_tokens"] = scored.sum()
+    if distill:
+        if scored.any():
+            rows = torch.arange(batch, device=device)[:, None, None].expand_as(pos)[scored]
+            with torch.no_grad():
+                teacher = target.get_output_embeddings()(out.last_hidden_state[rows, pos[scored]]).float()
+                if vocab_index is not None:
+                    teacher = teacher[:, base.draft_vocab_ids.to(device)]
+                teacher_logp = F.log_softmax(teacher, dim=-1)
+            student_logp = F.log_softmax(logits, dim=-1)
+            kl = (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)
+            losses["distill_loss"] = (kl * weights[scored]).sum() / weights[scored].sum()
+        else:
+            losses["distill_loss"] = blocks.logits[:, :0].float().sum()
+    return losses
+
+
 @torch.no_grad()
 def _teacher_log_probs(drafter, teacher, clean, inputs, rows, positions) -> torch.Tensor:
     """The target's next-token log-probabilities at `(rows, positions)` of the clean batch, float32, over the
@@ -245,4 +395,4 @@ def _teacher_log_probs(drafter, teacher, clean, inputs, rows, positions) -> torc
     return F.log_softmax(logits, dim=-1)
 
 
-__all__ = ["block_diffusion_attention_mask", "d3d_losses"]
+__all__ = ["block_diffusion_attention_mask", "d3d_losses", "target_cache_attention_mask", "target_cache_losses"]

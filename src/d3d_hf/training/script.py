@@ -45,6 +45,9 @@ class D3DTrainScriptArguments:
             gets a draft vocabulary (FR-Spec, arXiv 2502.14856): its LM head covers only the `draft_vocab_size` ids
             most frequent in the training rows' responses, plus the target's eos ids (`d3d_hf.drafters.
             draft_vocabulary`); default the full vocabulary.
+        shares_target_cache (`bool`, defaults to `False`): a newly initialised standalone drafter attends to the
+            target's cached keys and values of the layers it copies (`D3DConfig.shares_target_cache`: query-only
+            layers over the target's cache); it trains with `ar_loss_weight=0`.
         dtype (`str`, defaults to `"float32"`): dtype of the target (and shared weights) during training.
         tau_holdout (`int`, defaults to 4): rows held out of training (the last ones) whose prompts measure tau
             every `tau_eval_steps` (a conversational row's prompt is its messages before the last assistant turn).
@@ -66,6 +69,9 @@ class D3DTrainScriptArguments:
     dtype: str = field(default="float32", metadata={"help": "Training dtype of the target."})
     draft_vocab_size: int | None = field(
         default=None, metadata={"help": "A new standalone drafter's LM head covers the N most frequent answer ids."}
+    )
+    shares_target_cache: bool = field(
+        default=False, metadata={"help": "New standalone drafter attends to the target's cache of its layer_ids."}
     )
     tau_holdout: int = field(default=4, metadata={"help": "Rows held out for tau evaluation."})
     max_samples: int | None = field(default=None, metadata={"help": "Train on the first N rows (learning curves)."})
@@ -256,6 +262,7 @@ def train_drafter(script: D3DTrainScriptArguments, config: D3DTrainingConfig) ->
             target_model=script.target,
             shares_target_weights=shares,
             draft_vocab_ids=vocab_ids,
+            shares_target_cache=script.shares_target_cache,
         )
     if drafter.config.shares_target_weights and config.train_mode != "block_adapter":
         raise ValueError("A drafter that shares the target's weights can only train with train_mode=block_adapter.")

@@ -22,7 +22,7 @@ from .callbacks import TauCallback, _EpochCallback
 from .checkpoints import is_complete_checkpoint, last_complete_checkpoint
 from .collator import D3DDataCollator
 from .config import D3DTrainingConfig
-from .objective import d3d_losses
+from .objective import d3d_losses, target_cache_losses
 from .rows import check_max_length, check_training_rows
 
 PEFT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -129,7 +129,10 @@ class D3DTrainer(SFTTrainer):
                 )
         self.drafter = model
         self.target = target
-        self._distill_teacher = self._teacher_for_distillation(model, args, target)
+        self._cache_target = self._target_for_cache(model, args, target)
+        self._distill_teacher = (
+            None if self._cache_target is not None else self._teacher_for_distillation(model, args, target)
+        )
         self.tau_prompts = tau_prompts or []
         peft_config = self._peft_config(model, args, peft_config)
         self._prepare_trainable(model, args)
@@ -247,6 +250,31 @@ class D3DTrainer(SFTTrainer):
         return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
 
     @staticmethod
+    def _target_for_cache(model, args, target):
+        """The target whose cache a `shares_target_cache` drafter reads (`target_cache_losses`), on the drafter's
+        device without gradients; `None` for other drafters.
+
+        Raises:
+            ValueError: for such a drafter without `target`, or with `ar_loss_weight > 0` or `block_loss_weight == 0`
+                (it has no autoregressive path of its own: its first draft token is scored in the block loss).
+        """
+        if not getattr(model.config, "shares_target_cache", False):
+            return None
+        if target is None:
+            raise ValueError(
+                "This drafter attends to the target's cache (`shares_target_cache=True`), so every training batch runs "
+                "the target: pass `target=` to D3DTrainer (d3d-hf train does)."
+            )
+        if args.ar_loss_weight > 0 or args.block_loss_weight <= 0:
+            raise ValueError(
+                "A drafter over the target's cache (`shares_target_cache=True`) has no autoregressive path of its own: "
+                "its first draft token is scored in the block loss. Set ar_loss_weight=0 and block_loss_weight > 0 "
+                f"(got {args.ar_loss_weight} and {args.block_loss_weight})."
+            )
+        target.requires_grad_(False)
+        return target.to(args.device).eval()
+
+    @staticmethod
     def _teacher_for_distillation(model, args, target):
         """Where `distill_weight` reads the target's distribution: `None` (the clean stream, which is the target's for
         a drafter sharing its weights in `block_adapter` mode) or `target` (a no-grad forward per batch).
@@ -271,17 +299,27 @@ class D3DTrainer(SFTTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The D3D objective: `block_loss_weight * block_loss + ar_loss_weight * ar_loss` (`d3d_losses`); both parts
         are logged (averaged over processes and the steps since the last log) next to TRL's `num_tokens`."""
-        losses = d3d_losses(
-            model,
-            inputs,
-            block_size=self.block_size,
-            gamma=self.args.position_weight_gamma,
-            compute_ar=self.args.ar_loss_weight > 0,
-            clean_requires_grad=self.clean_requires_grad,
-            compute_block=self.args.block_loss_weight > 0,
-            distill=self.args.distill_weight > 0,
-            teacher=self._distill_teacher,
-        )
+        if self._cache_target is not None:
+            losses = target_cache_losses(
+                model,
+                inputs,
+                block_size=self.block_size,
+                gamma=self.args.position_weight_gamma,
+                target=self._cache_target,
+                distill=self.args.distill_weight > 0,
+            )
+        else:
+            losses = d3d_losses(
+                model,
+                inputs,
+                block_size=self.block_size,
+                gamma=self.args.position_weight_gamma,
+                compute_ar=self.args.ar_loss_weight > 0,
+                clean_requires_grad=self.clean_requires_grad,
+                compute_block=self.args.block_loss_weight > 0,
+                distill=self.args.distill_weight > 0,
+                teacher=self._distill_teacher,
+            )
         loss = self.args.block_loss_weight * losses["block_loss"] + self.args.ar_loss_weight * losses["ar_loss"]
         if self.args.distill_weight > 0:
             loss = loss + self.args.distill_weight * losses["distill_loss"]
