@@ -232,6 +232,47 @@ def render_measured(results: Path) -> str:
     return table
 
 
+def record_run(folder: Path, results: Path, device: str) -> dict:
+    """Adds the finished (or stopped) learning-curve run in `folder` (named `<capacity>-<rows>`, as `train_command`
+    names them) to `results`/runs.json, read from its `trainer_state.json`: steps, batch, samples seen, whether it
+    finished its schedule, the last logged losses and the wall time; `device` says where it trained. Returns the
+    entry.
+
+    Raises:
+        ValueError: if the folder's name does not end in `-<rows>` after a known capacity, or it holds no trainer state.
+    """
+    name = folder.name
+    capacity, _, rows = name.rpartition("-")
+    if capacity not in CAPACITIES or not rows.isdigit():
+        raise ValueError(f"{folder}: expected a folder named <capacity>-<rows> with a capacity of {sorted(CAPACITIES)}")
+    state_path = folder / "trainer_state.json"
+    if not state_path.is_file():
+        raise ValueError(f"{folder} holds no trainer_state.json: the run has not saved yet.")
+    state = json.loads(state_path.read_text())
+    logs = [entry for entry in state["log_history"] if "loss" in entry]
+    runtime = next((entry["train_runtime"] for entry in state["log_history"] if "train_runtime" in entry), None)
+    last = logs[-1] if logs else {}
+    entry = {
+        "capacity": capacity,
+        "rows": int(rows),
+        "steps": state["global_step"],
+        "max_steps": state["max_steps"],
+        "batch_size": state["train_batch_size"],
+        "samples_seen": state["global_step"] * state["train_batch_size"],
+        "finished": state["global_step"] >= state["max_steps"],
+        "final_loss": {
+            key: round(float(last[key]), 3) for key in ("loss", "block_loss", "ar_loss", "distill_loss") if key in last
+        },
+        "train_runtime_s": runtime,
+        "device": device,
+    }
+    path = results / "runs.json"
+    runs = json.loads(path.read_text()) if path.is_file() else {}
+    runs[name] = entry
+    path.write_text(json.dumps(runs, indent=1) + "\n")
+    return entry
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", default="500,1000,2000,5000", help="sample counts, comma-separated")
@@ -245,7 +286,15 @@ def main() -> None:
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "learning_curve"))
     parser.add_argument("--render", metavar="DIR", help="only draw the table and plot of a folder of measured runs "
                         "(runs.json + compare_tau JSONs, e.g. from benchmarks/gpu/scale_run.py)")  # fmt: skip
+    parser.add_argument("--record", nargs="+", metavar="RUN", help="add these finished run folders to --render's "
+                        "runs.json (from their trainer states), then draw it")  # fmt: skip
+    parser.add_argument("--device", default="cpu", help="with --record: where the runs trained")
     args = parser.parse_args()
+    if args.record:
+        if not args.render:
+            parser.error("--record needs --render DIR (the folder whose runs.json gets the runs)")
+        for folder in args.record:
+            print(record_run(Path(folder), Path(args.render), args.device))
     if args.render:
         print(render_measured(Path(args.render)))
         return

@@ -193,7 +193,8 @@ class D3DGenerationOptions:
         decoding_loop (`str`, default `"d3d"`; internal): `"d3d"` (D3D's own loop) or `"transformers"`
             (transformers' assisted-generation loop: the ablation of D3D's loop, chain verification only).
         share_target_cache (`bool`, default `True`; internal): a drafter on the target's own first layers attends to
-            the target's cache instead of re-running committed tokens in its own (`False`: the ablation).
+            the target's cache instead of re-running committed tokens in its own (`False`: the ablation). A drafter
+            over the target's cache (`D3DConfig.shares_target_cache`) always shares it, whatever this says.
         draft_passes (`bool`, default `True`; internal): `False` keeps the adaptive engine from drafting (plain
             steps and prompt-lookup rounds only, same calibration): what the drafter adds is `d3d` against this.
         target_matmul_layouts (`bool`, default `False`; internal): the target's 2-32 row verification forwards on

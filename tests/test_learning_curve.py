@@ -1,0 +1,66 @@
+"""`benchmarks/learning_curve.py --record`: a finished run folder becomes a row of the curve's runs.json, read from
+its trainer state, and the table renders it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def curve():
+    spec = importlib.util.spec_from_file_location("learning_curve", ROOT / "benchmarks" / "learning_curve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(tmp_path, name, step, max_steps):
+    folder = tmp_path / "runs" / name
+    folder.mkdir(parents=True)
+    history = [
+        {"step": 10, "loss": 9.0, "block_loss": 5.0, "ar_loss": 0.0, "distill_loss": 4.0},
+        {"step": step, "loss": 7.25, "block_loss": 4.0, "ar_loss": 0.0, "distill_loss": 3.25},
+        {"step": step, "train_runtime": 1234.5},
+    ]
+    state = {"global_step": step, "max_steps": max_steps, "train_batch_size": 16, "log_history": history}
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+    return folder
+
+
+def test_record_adds_the_run_and_the_table_shows_it(curve, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "runs.json").write_text(json.dumps({"adapter-r8-1000": {
+        "capacity": "adapter-r8", "rows": 1000, "steps": 125, "max_steps": 125, "batch_size": 16, "samples_seen": 2000,
+        "finished": True, "final_loss": {"block_loss": 4.1}, "train_runtime_s": 72.0}}))  # fmt: skip
+    entry = curve.record_run(_run(tmp_path, "adapter-r8-300", 37, 37), results, "cpu")
+    assert entry == {
+        "capacity": "adapter-r8", "rows": 300, "steps": 37, "max_steps": 37, "batch_size": 16, "samples_seen": 592,
+        "finished": True, "final_loss": {"loss": 7.25, "block_loss": 4.0, "ar_loss": 0.0, "distill_loss": 3.25},
+        "train_runtime_s": 1234.5, "device": "cpu",
+    }  # fmt: skip
+    runs = json.loads((results / "runs.json").read_text())
+    assert set(runs) == {"adapter-r8-1000", "adapter-r8-300"}  # the earlier runs are kept
+    for set_name in curve.SETS:
+        (results / f"adapter-r8-300-{set_name}.json").write_text(
+            json.dumps({"tau": {"x": 2.125}, "lossless": {"x": 1.0}})
+        )
+    table = curve.render_measured(results)
+    rows = [line for line in table.splitlines() if line.startswith("| adapter-r8")]
+    assert rows[0].startswith("| adapter-r8-300 | 300 | 37 | 592 | 2.12 (100%)")  # fewest samples first
+    stopped = curve.record_run(_run(tmp_path, "adapter-r8-mlp-300", 20, 37), results, "cpu")
+    assert not stopped["finished"] and stopped["samples_seen"] == 320
+
+
+def test_record_refuses_a_folder_it_cannot_read(curve, tmp_path):
+    with pytest.raises(ValueError, match="capacity"):
+        curve.record_run(_run(tmp_path, "my-run", 5, 5), tmp_path, "cpu")
+    (tmp_path / "adapter-r8-5").mkdir()
+    with pytest.raises(ValueError, match="trainer_state"):
+        curve.record_run(tmp_path / "adapter-r8-5", tmp_path, "cpu")
