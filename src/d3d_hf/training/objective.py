@@ -202,22 +202,37 @@ def d3d_losses(
         **head_kwargs,
     )
     weights = _position_weights(span, gamma, device)[None, None].expand_as(pos) * scored
-    if scored.any():
-        logits = noisy.logits.view(batch, -1, span, noisy.logits.shape[-1])[scored].float()
-        ce = F.cross_entropy(logits, targets[scored], reduction="none")
-        losses["block_loss"] = (ce * weights[scored]).sum() / weights[scored].sum()
-    else:
-        losses["block_loss"] = noisy.logits[:, :0].float().sum()  # 0, on the autograd graph of the trained weights
-    losses["block_tokens"] = scored.sum()
-    if distill:
-        if scored.any():
-            rows = torch.arange(batch, device=device)[:, None, None].expand_as(pos)[scored]
-            teacher_logp = _teacher_log_probs(drafter, teacher, clean, inputs, rows, pos[scored])
-            student_logp = F.log_softmax(logits, dim=-1)
-            kl = (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)
-            losses["distill_loss"] = (kl * weights[scored]).sum() / weights[scored].sum()
-        else:
-            losses["distill_loss"] = noisy.logits[:, :0].float().sum()
+
+    def teacher_log_probs(rows, positions):
+        return _teacher_log_probs(drafter, teacher, clean, inputs, rows, positions)
+
+    losses.update(_scored_losses(noisy.logits, pos, targets, scored, weights, teacher_log_probs if distill else None))
+    return losses
+
+
+def _scored_losses(block_logits, pos, targets, scored, weights, teacher_log_probs=None) -> dict[str, torch.Tensor]:
+    """`block_loss` (the `weights`-weighted cross-entropy of the `scored` block rows against `targets`),
+    `block_tokens`, and with `teacher_log_probs` (`(rows, positions) -> (n, head rows)` float32 log-probabilities of
+    the target at those clean positions) `distill_loss`, the same weighted mean of `KL(p || q)`. `block_logits` is
+    `(batch, K * R, head rows)` for `pos`, `targets`, `scored`, `weights` of shape `(batch, K, R)`; nothing to score
+    gives a 0 still on the autograd graph of `block_logits`."""
+    losses = {"block_tokens": scored.sum()}
+    empty = block_logits[:, :0].float().sum()  # 0, on the autograd graph of the trained weights
+    if not scored.any():
+        losses["block_loss"] = empty
+        if teacher_log_probs is not None:
+            losses["distill_loss"] = empty
+        return losses
+    batch, num_blocks, rows_per_block = pos.shape
+    logits = block_logits.view(batch, num_blocks, rows_per_block, block_logits.shape[-1])[scored].float()
+    ce = F.cross_entropy(logits, targets[scored], reduction="none")
+    losses["block_loss"] = (ce * weights[scored]).sum() / weights[scored].sum()
+    if teacher_log_probs is not None:
+        rows = torch.arange(batch, device=pos.device)[:, None, None].expand_as(pos)[scored]
+        teacher_logp = teacher_log_probs(rows, pos[scored])
+        student_logp = F.log_softmax(logits, dim=-1)
+        kl = (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)
+        losses["distill_loss"] = (kl * weights[scored]).sum() / weights[scored].sum()
     return losses
 
 
@@ -346,28 +361,16 @@ def target_cache_losses(
         **head_kwargs,
     )
     weights = torch.exp(-j.float() / gamma)[None, None].expand_as(pos) * scored
-    zero = torch.zeros((), device=device)
-    losses = {"ar_loss": zero, "ar_tokens": torch.zeros((), dtype=torch.long, device=device)}
-    if scored.any():
-        logits = blocks.logits.view(batch, -1, block_size, blocks.logits.shape[-1])[scored].float()
-        ce = F.cross_entropy(logits, targets[scored], reduction="none")
-        losses["block_loss"] = (ce * weights[scored]).sum() / weights[scored].sum()
-    else:
-        losses["block_loss"] = blocks.logits[:, :0].float().sum()
-    losses["block_tokens"] = scored.sum()
-    if distill:
-        if scored.any():
-            rows = torch.arange(batch, device=device)[:, None, None].expand_as(pos)[scored]
-            with torch.no_grad():
-                teacher = target.get_output_embeddings()(out.last_hidden_state[rows, pos[scored]]).float()
-                if vocab_index is not None:
-                    teacher = teacher[:, base.draft_vocab_ids.to(device)]
-                teacher_logp = F.log_softmax(teacher, dim=-1)
-            student_logp = F.log_softmax(logits, dim=-1)
-            kl = (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)
-            losses["distill_loss"] = (kl * weights[scored]).sum() / weights[scored].sum()
-        else:
-            losses["distill_loss"] = blocks.logits[:, :0].float().sum()
+
+    @torch.no_grad()
+    def teacher_log_probs(rows, positions):  # the target's own head at the clean positions, from the same forward
+        logits = target.get_output_embeddings()(out.last_hidden_state[rows, positions]).float()
+        if vocab_index is not None:
+            logits = logits[:, base.draft_vocab_ids.to(device)]
+        return F.log_softmax(logits, dim=-1)
+
+    losses = {"ar_loss": torch.zeros((), device=device), "ar_tokens": torch.zeros((), dtype=torch.long, device=device)}
+    losses.update(_scored_losses(blocks.logits, pos, targets, scored, weights, teacher_log_probs if distill else None))
     return losses
 
 
