@@ -49,10 +49,10 @@ class DraftPasses:
             if getattr(self.drafter.config, "shares_target_cache", False):
                 raise ValueError(
                     "This drafter attends to the target's cache (`shares_target_cache=True`) and has no cache of its "
-                    "own, so it drafts only in D3D's own synchronous loop for one sequence, over a `DynamicCache` "
-                    "of full-attention layers (`target.generate(input_ids, assistant_model=drafter)` with the "
-                    "default options). This call is not one: a batch or padded prompt, "
-                    "d3d_decoding_loop='transformers', or a call only transformers' loop can run."
+                    "own, so it drafts only in D3D's own synchronous loop over a `DynamicCache` of full-attention "
+                    "layers (`target.generate(input_ids, assistant_model=drafter)` with the default options). This "
+                    "call is not one: d3d_decoding_loop='transformers', a call only transformers' loop can run (e.g. "
+                    "output_attentions, extra model arguments), or a target cache of another kind."
                 )
             return self.cache
         view = D3DCache()
