@@ -3,7 +3,8 @@
 For each drafter and each sampled anchor `a` of rows `--offset .. --offset + --rows` of a `d3d-hf data` folder (rows
 no drafter trained on: e.g. answered after its run started), one synchronous draft pass of a full block is run from
 the committed prefix `x[:a+1]`, as D3D's loop runs it: over the drafter's own cache of the prefix, or for a drafter
-over the target's cache (`shares_target_cache`) over the target's cache of `x[:a]`. Draft `d_k` (block row `k-1`) is
+over the target's cache (`shares_target_cache`) over the target's cache of `x[:a]` (and, for one that reads the
+target's hidden state, the target's last hidden state at `a - 1`). Draft `d_k` (block row `k-1`) is
 correct when it is the row's next token `x[a+k]`, which is the target's greedy choice (the rows are its greedy
 answers). Prints and optionally writes, per drafter, the accuracy of `d_1 .. d_B-1` and the mean accepted prefix
 (chain acceptance), float32:
@@ -28,6 +29,8 @@ def accuracies(drafter, target, rows, anchors_per_row: int, seed: int = 0) -> di
 
     block = drafter.config.block_size
     reads_target = bool(getattr(drafter.config, "shares_target_cache", False))
+    reads_state = bool(getattr(drafter.config, "reads_target_hidden_state", False))
+    state = {}
     layer_ids = list(drafter.config.source_layer_ids or range(drafter.config.num_hidden_layers))
     rng = random.Random(seed)
     correct = torch.zeros(block - 1)
@@ -46,9 +49,11 @@ def accuracies(drafter, target, rows, anchors_per_row: int, seed: int = 0) -> di
                         cache.key_cache.append(out.past_key_values.layers[i].keys)
                         cache.value_cache.append(out.past_key_values.layers[i].values)
                     committed = torch.tensor([[ids[anchor]]])
+                    if reads_state:  # the state whose scores chose the anchor, as the verification keeps it
+                        state = {"anchor_hidden_state": out.last_hidden_state[:, -1]}
                 else:
                     committed = torch.tensor([ids[: anchor + 1]])
-                logits = drafter.draft_logits(committed, cache, num_masks=block - 1)[0]
+                logits = drafter.draft_logits(committed, cache, num_masks=block - 1, **state)[0]
             drafts = logits[: block - 1].argmax(-1)
             truth = torch.tensor(ids[anchor + 1 : anchor + block])
             hits = drafts == truth

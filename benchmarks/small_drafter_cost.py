@@ -27,7 +27,7 @@ from _common import add_timing_arguments, emit, median_ms
 from d3d_hf.modeling.calibration_d3d import cpu_model
 
 from d3d_hf import D3DForDiffusionDrafting
-from d3d_hf.costmodel import _prefilled_drafter_cache, _random_ids
+from d3d_hf.costmodel import _prefilled_drafter_cache, _random_ids, timing_state
 from d3d_hf.drafters import draft_vocabulary, load_drafter
 from d3d_hf.targets import load_target
 
@@ -90,7 +90,7 @@ def main() -> None:
             def draft(drafter=drafter, cache=cache, committed=committed, masks=masks) -> float:
                 start = time.perf_counter()
                 with torch.no_grad():
-                    drafter.draft_logits(committed, cache, num_masks=masks)
+                    drafter.draft_logits(committed, cache, num_masks=masks, **timing_state(drafter))
                 seconds = time.perf_counter() - start
                 cache.crop(args.context)
                 return seconds

@@ -268,6 +268,7 @@ class BatchedRounds:
         self.keeps_logits = target._supports_logits_to_keep() if hasattr(target, "_supports_logits_to_keep") else False
         self.prefill = True  # the round being verified is the prefill (`verify`)
         self.draft_seconds = None
+        self.hidden = {}  # sequence -> the target's last hidden state before its anchor (`reads_target_hidden_state`)
         self.drafter = generator.drafter
         self.block_size = generator.block_size
         self.max_length = generator.max_length
@@ -376,6 +377,12 @@ class BatchedRounds:
         masked = torch.zeros_like(ids, dtype=torch.bool)
         masked[:, width:] = True
         allowed, positions, _ = slots.inputs([p + masks for p in pending], width + masks, tail=masks)
+        extra = {}
+        if passes.reads_hidden_state:  # each anchor (column `width - 1`) reads the state that chose it
+            states = torch.zeros(batch, width + masks, self.hidden[self.active[0]].shape[-1], device=device)
+            for r, a in enumerate(self.active):
+                states[r, width - 1] = self.hidden[a].to(device)
+            extra["target_hidden_states"] = states
         mark = layout_mark()  # a pass that timed matmul layouts is not learned
         start = time.perf_counter()
         with torch.no_grad():
@@ -387,6 +394,7 @@ class BatchedRounds:
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=masks + 1,
+                **extra,
             ).logits.float()
         seconds = time.perf_counter() - start
         self.draft_seconds = seconds
@@ -455,6 +463,9 @@ class BatchedRounds:
             mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
         most = max(len(p.drafts) for p in plans)
         keep = {"logits_to_keep": most + 1} if self.keeps_logits else {}
+        reads_hidden_state = self.generator.passes.reads_hidden_state
+        if reads_hidden_state:  # the drafter reads the state that chose each sequence's next anchor
+            keep["output_hidden_states"] = True
         with torch.no_grad():
             outputs = self.target(
                 input_ids=ids,
@@ -480,6 +491,8 @@ class BatchedRounds:
                 candidates, cur_len, new_logits, do_sample=do_sample, noise=self.noise[a], draft_scores=draft_scores
             )
             results.append((valid.to(row.device), n, new_logits, raw))
+            if reads_hidden_state:  # the row whose scores chose the last committed token
+                self.hidden[a] = outputs.hidden_states[-1][r, width - counts[r] + pending[r] - 1 + n]
         self.counts, self.width = counts, width
         return results
 

@@ -397,7 +397,10 @@ def measure_cost_curves(
             # time draft passes once their matmul layouts are chosen (`D3DModel.autotune_matmuls`)
             layouts = layout_mark if d3d_drafter else None
             drafter_cache = D3DCache()
-            drafter.draft_logits(context.to(drafter_device), drafter_cache, num_masks=0)
+            state = {}  # a drafter that reads the target's hidden state: a zero one costs the same
+            if getattr(drafter.config, "reads_target_hidden_state", False):
+                state["anchor_hidden_state"] = torch.zeros(1, drafter.config.hidden_size, device=drafter_device)
+            drafter.draft_logits(context.to(drafter_device), drafter_cache, num_masks=0, **state)
             for q in rows:
                 ids = random_ids(q).to(target_device)
                 verify[q] = _median_seconds(
@@ -409,7 +412,9 @@ def measure_cost_curves(
                 )
                 committed = random_ids(1).to(drafter_device)
                 draft[q] = _median_seconds(
-                    lambda committed=committed, q=q: drafter.draft_logits(committed, drafter_cache, num_masks=q - 1),
+                    lambda committed=committed, q=q: drafter.draft_logits(
+                        committed, drafter_cache, num_masks=q - 1, **state
+                    ),
                     lambda: drafter_cache.crop(context_length),
                     repeats,
                     sync,

@@ -72,6 +72,7 @@ _BOOL_FIELDS = (
     "tie_word_embeddings",
     "shares_target_weights",
     "shares_target_cache",
+    "reads_target_hidden_state",
 )
 _OPTIONAL_STR_FIELDS = ("source_model", "target_model")
 #: Every field `validate_config` checks (the arguments of `D3DConfig.__init__`).
@@ -150,7 +151,8 @@ def validate_config(config: PretrainedConfig | Mapping[str, Any]) -> None:
             (`pruned_layer_ids` distinct); `hidden_act` a transformers activation name; `rms_norm_eps` a finite
             number > 0; `rope_parameters` a dict with a known `rope_type`, a finite `rope_theta` > 0 and the keys its
             type reads; the flags (`attention_bias`, `mlp_bias`, `use_qk_norm`, `tie_word_embeddings`,
-            `shares_target_weights`, `shares_target_cache`) bools; `block_lora_alpha` a finite number > 0;
+            `shares_target_weights`, `shares_target_cache`, `reads_target_hidden_state`) bools, and
+            `reads_target_hidden_state` only with `shares_target_cache`; `block_lora_alpha` a finite number > 0;
             `block_lora_modules` None or a non-empty list of distinct names from `DEFAULT_BLOCK_LORA_MODULES`;
             `initializer_range` a finite number >= 0; `attention_dropout` a number in `[0, 1)`; `source_model` /
             `target_model` None or a str;
@@ -271,6 +273,12 @@ def validate_config(config: PretrainedConfig | Mapping[str, Any]) -> None:
     if not (_is_real(dropout) and 0 <= dropout < 1):
         raise _config_error("attention_dropout", "a number in [0, 1)", dropout, "Set `attention_dropout` to 0.0")
     _check_draft_vocab(present)
+    if present.get("reads_target_hidden_state") and not present.get("shares_target_cache"):
+        raise ValueError(
+            "D3D drafter config: `reads_target_hidden_state=True` needs `shares_target_cache=True`: the target's "
+            "hidden state reaches the drafter only in the synchronous rounds in which it reads the target's cache. "
+            "Set `shares_target_cache=True` or `reads_target_hidden_state=False`."
+        )
     for name in _OPTIONAL_STR_FIELDS:
         if given(name) and present[name] is not None and not isinstance(present[name], str):
             raise _config_error(name, "None or a str (a model name or path)", present[name], f"Set `{name}` to a name")
@@ -431,6 +439,12 @@ class D3DConfig(PretrainedConfig):
             synchronous loop, which keeps the target's cache at the committed tokens (`generate` refuses the
             other configurations), and it trains with the target in the loop (`d3d_hf.training`: the target's
             no-grad forward gives the keys and values).
+        reads_target_hidden_state (`bool`, *optional*, defaults to `False`):
+            With `shares_target_cache`: the anchor's input is its token embedding plus
+            `hidden_state_proj(hidden_state_norm(h))`, `h` the target's last hidden state (after its final norm) at
+            the position before the anchor, the state whose LM-head row chose the anchor (EAGLE's feature, arXiv
+            2401.15077). The target's verification forward already computes `h`; D3D's loop keeps it for the next
+            pass. `hidden_state_proj` starts at zero, so a new drafter starts as one without the feature.
         draft_vocab_size (`int`, *optional*):
             A draft vocabulary (FR-Spec, arXiv 2502.14856): the LM head has rows for only these many ids, the most
             frequent of the target's answers, saved as the buffer `draft_vocab_ids` (`torch.LongTensor` of shape
@@ -491,6 +505,7 @@ class D3DConfig(PretrainedConfig):
         block_lora_full_layers: int = 0,
         shares_target_weights: bool = False,
         shares_target_cache: bool = False,
+        reads_target_hidden_state: bool = False,
         draft_vocab_size: int | None = None,
         initializer_range: float = 0.02,
         attention_dropout: float = 0.0,
@@ -538,6 +553,7 @@ class D3DConfig(PretrainedConfig):
         self.block_lora_full_layers = int(block_lora_full_layers)
         self.shares_target_weights = bool(shares_target_weights)
         self.shares_target_cache = bool(shares_target_cache)
+        self.reads_target_hidden_state = bool(reads_target_hidden_state)
         self.draft_vocab_size = draft_vocab_size
         self.initializer_range = initializer_range
         self.attention_dropout = attention_dropout

@@ -194,6 +194,8 @@ def d3d_assisted_decoding(
 
             block_rows = successors.block_rows if successors is not None and not tree_mode else 0
             forward_kwargs = {"logits_to_keep": num_candidates + 1 + block_rows} if keep_logits else {}
+            if generator.passes.reads_hidden_state:  # the drafter reads the state that chose its next anchor
+                forward_kwargs["output_hidden_states"] = True
             with successors.context(new_ids.shape[1] - block_rows) if block_rows else contextlib.nullcontext():
                 outputs = target(
                     input_ids=new_ids,
@@ -235,6 +237,8 @@ def d3d_assisted_decoding(
             valid = cut_committed(valid, generation_config.max_length - cur_len, eos_ids)
             n_matches = valid.shape[1] - 1
             rows = rows[: n_matches + 1]
+            if generator.passes.reads_hidden_state:  # the row that chose the last committed token
+                generator.passes.keep_hidden_state(outputs.hidden_states[-1], num_committed - 1 + rows[-1])
             input_ids = torch.cat([input_ids, valid.to(input_ids.device)], dim=-1)
             if streamer is not None:
                 streamer.put(valid.cpu())

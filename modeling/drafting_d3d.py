@@ -267,7 +267,11 @@ def resolve_packed_attention_kernel(implementation: str, device: torch.device, b
 
 @torch.no_grad()
 def draft_logits(
-    drafter, committed_ids: torch.LongTensor, cache: D3DCache, num_masks: int | None = None
+    drafter,
+    committed_ids: torch.LongTensor,
+    cache: D3DCache,
+    num_masks: int | None = None,
+    anchor_hidden_state: torch.FloatTensor | None = None,
 ) -> torch.FloatTensor:
     r"""
     One synchronous draft pass (d3d-hf docs/DESIGN.md section 2): extends `cache` with `committed_ids` (causal) and
@@ -281,13 +285,18 @@ def draft_logits(
             The drafter's cache of the committed context before `committed_ids`; extended in place.
         num_masks (`int`, *optional*):
             Mask tokens after the anchor; defaults to `block_size - 1`.
+        anchor_hidden_state (`torch.FloatTensor` of shape `(1, hidden_size)`, *optional*):
+            Required by (and only for) a drafter with `config.reads_target_hidden_state`: the target's last hidden
+            state at the position before the anchor (what its verification forward computed); the anchor's row
+            reads it, the other rows get zeros (`D3DModel.forward`'s `target_hidden_states`).
 
     Returns:
         `torch.FloatTensor` of shape `(1, num_masks + 1, vocab_size)`: row `j` scores draft token `d_{j+1}`
         (row `num_masks` is the guess one past the block).
 
     Raises:
-        ValueError: if `committed_ids` is empty.
+        ValueError: if `committed_ids` is empty, or (`D3DModel.forward`) `anchor_hidden_state` is missing for a
+            drafter that reads it or given to one that does not.
     """
     num_committed = committed_ids.shape[1]
     if num_committed < 1:
@@ -307,9 +316,21 @@ def draft_logits(
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=num_masks + 1,
+        target_hidden_states=anchor_rows(anchor_hidden_state, input_ids.shape[1], num_committed - 1),
     )
     cache.crop(past_len + num_committed)
     return outputs.logits
+
+
+def anchor_rows(anchor_hidden_state: torch.Tensor | None, num_rows: int, anchor: int) -> torch.Tensor | None:
+    """`(1, num_rows, hidden_size)` zeros but for row `anchor`, which is `anchor_hidden_state` (`(1, hidden_size)`
+    or `(hidden_size,)`); `None` stays `None`."""
+    if anchor_hidden_state is None:
+        return None
+    state = anchor_hidden_state.reshape(1, -1)
+    rows = state.new_zeros((1, num_rows, state.shape[-1]))
+    rows[0, anchor] = state[0]
+    return rows
 
 
 @torch.no_grad()
@@ -390,6 +411,7 @@ __all__ = [
     "D3DPackedDraft",
     "causal_attention_mask",
     "draft_attention_mask",
+    "anchor_rows",
     "draft_logits",
     "packed_attention_mask",
     "packed_draft_logits",

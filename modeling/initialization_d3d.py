@@ -26,6 +26,7 @@ def from_autoregressive(
     shares_target_weights: bool = False,
     draft_vocab_ids: list[int] | None = None,
     shares_target_cache: bool = False,
+    reads_target_hidden_state: bool = False,
 ) -> PreTrainedModel:
     r"""
     Initialises a drafter from an autoregressive causal LM of the same tokenizer (Llama-, Mistral- or
@@ -62,13 +63,18 @@ def from_autoregressive(
         shares_target_cache (`bool`, defaults to `False`):
             A drafter whose layers attend to the target's cached keys and values of the layers they were copied
             from (`D3DConfig.shares_target_cache`: query-only layers over the target's cache).
+        reads_target_hidden_state (`bool`, defaults to `False`):
+            With `shares_target_cache`: the anchor also reads the target's last hidden state before it
+            (`D3DConfig.reads_target_hidden_state`, EAGLE's feature); its projection starts at zero, so the new
+            drafter drafts exactly as one without it.
 
     Returns:
         `D3DForDiffusionDrafting` in the source model's dtype and on its device, in eval mode.
 
     Raises:
-        ValueError: if both `num_layers` and `layer_ids` are given, a layer index is out of range, or the
-            source's layers do not have the supported layout.
+        ValueError: if both `num_layers` and `layer_ids` are given, a layer index is out of range, the source's
+            layers do not have the supported layout, or `reads_target_hidden_state` comes without
+            `shares_target_cache`.
     """
     if num_layers is not None and layer_ids is not None:
         raise ValueError("Give either `num_layers` or `layer_ids`, not both.")
@@ -120,6 +126,7 @@ def from_autoregressive(
         block_lora_alpha=block_lora_alpha,
         shares_target_weights=shares_target_weights,
         shares_target_cache=shares_target_cache,
+        reads_target_hidden_state=reads_target_hidden_state,
         bos_token_id=getattr(src_cfg, "bos_token_id", None),
         eos_token_id=getattr(src_cfg, "eos_token_id", None),
         pad_token_id=getattr(src_cfg, "pad_token_id", None),
@@ -156,9 +163,12 @@ def from_autoregressive(
         drafter.load_state_dict(new_state, strict=False)
         if config.tie_word_embeddings:
             drafter.tie_weights()
-    if drafter.model.mask_embedding is not None:
-        with torch.no_grad():
+    with torch.no_grad():
+        if drafter.model.mask_embedding is not None:
             drafter.model.mask_embedding.weight.copy_(ref.float().mean(dim=0).to(ref.dtype))
+        if drafter.model.hidden_state_proj is not None:  # starts as a drafter without the feature
+            drafter.model.hidden_state_proj.weight.zero_()
+            drafter.model.hidden_state_norm.weight.fill_(1.0)
     return drafter.eval()
 
 

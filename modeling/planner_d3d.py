@@ -34,6 +34,9 @@ class DraftPasses:
         self.cache = D3DCache()  # a new, empty drafter state for every `generate` call
         self.target_cache = None
         self._verify_mark = layout_mark()
+        # EAGLE's feature (`D3DConfig.reads_target_hidden_state`): the target's last hidden state before the anchor
+        self.reads_hidden_state = bool(getattr(drafter.config, "reads_target_hidden_state", False))
+        self.anchor_hidden_state: torch.Tensor | None = None
 
     def share_target_cache(self, cache) -> None:
         """Makes every later pass attend to the target's `cache` (a `DynamicCache` that D3D's loop keeps at the
@@ -73,10 +76,38 @@ class DraftPasses:
         there is no context to draft over."""
         return bool(getattr(self.drafter.config, "shares_target_cache", False)) and cache.get_seq_length() == 0
 
+    def keep_hidden_state(self, hidden_states: torch.Tensor, row: int) -> None:
+        """Keeps, for a drafter that reads it (`reads_hidden_state`), the target's last hidden state at `row` of a
+        verification (`hidden_states` of shape `(1, rows, hidden_size)`: its forward's `hidden_states[-1]`), the row
+        whose scores chose the last committed token, the next pass's anchor."""
+        if self.reads_hidden_state:
+            self.anchor_hidden_state = hidden_states[0, row][None].to(self.device)
+
+    def pass_hidden_state(self) -> torch.Tensor | None:
+        """The `anchor_hidden_state` of the next pass (`None` for a drafter that does not read it).
+
+        Raises:
+            RuntimeError: for a drafter that reads it when no verification has kept one (a loop that did not ask the
+                target for its hidden states: `keep_hidden_state`).
+        """
+        if not self.reads_hidden_state:
+            return None
+        if self.anchor_hidden_state is None:
+            raise RuntimeError(
+                "This drafter reads the target's last hidden state before the anchor (`reads_target_hidden_state`), "
+                "but no verification kept one: D3D's loop must run the target with `output_hidden_states=True` and "
+                "call `DraftPasses.keep_hidden_state`."
+            )
+        return self.anchor_hidden_state
+
     def timed_pass(self, committed, cache, num_masks: int) -> tuple[torch.Tensor, float, float | None]:
         """A draft pass: `(block logits, its seconds, the seconds to learn or None)`."""
         mark = layout_mark()
-        block_logits, seconds = timed(lambda: self.drafter.draft_logits(committed, cache, num_masks=num_masks)[0])
+        state = self.pass_hidden_state()
+        extra = {} if state is None else {"anchor_hidden_state": state}  # a drafter without it keeps its signature
+        block_logits, seconds = timed(
+            lambda: self.drafter.draft_logits(committed, cache, num_masks=num_masks, **extra)[0]
+        )
         return block_logits, seconds, mark.learned(seconds)
 
     def verification_starts(self) -> None:

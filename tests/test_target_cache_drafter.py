@@ -120,9 +120,9 @@ def test_pass_reads_the_named_target_layers(target, monkeypatch):
     seen = []
     original = drafter.draft_logits
 
-    def spy(committed, view, num_masks=None):
+    def spy(committed, view, num_masks=None, anchor_hidden_state=None):
         seen.append([[torch.equal(view.key_cache[i], layer.keys) for layer in cache.layers] for i in range(2)])
-        return original(committed, view, num_masks)
+        return original(committed, view, num_masks, anchor_hidden_state)
 
     monkeypatch.setattr(drafter, "draft_logits", spy)
     x = random_prompt(6, seed=1)

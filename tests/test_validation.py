@@ -174,6 +174,7 @@ def _valid_config_kwargs() -> dict:
         block_lora_modules=["q_proj", "v_proj"],
         shares_target_weights=False,
         shares_target_cache=False,
+        reads_target_hidden_state=False,
         draft_vocab_size=50,
         initializer_range=0.02,
         attention_dropout=0.0,
@@ -282,6 +283,7 @@ INVALID_VALUES = {
     "block_lora_modules": _modules(),
     "shares_target_weights": _not_bool(),
     "shares_target_cache": _not_bool(),
+    "reads_target_hidden_state": _not_bool(),
     "draft_vocab_size": st.one_of(
         st.integers(max_value=0), st.integers(min_value=98), st.floats(), st.booleans(), _NOT_NUMBERS
     ),  # outside [1, vocab_size = 97]

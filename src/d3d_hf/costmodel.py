@@ -238,6 +238,16 @@ def measure_target(
     return out
 
 
+def timing_state(drafter) -> dict:
+    """Keyword arguments that let `draft_logits` run a timed pass of any drafter: for one that reads the target's
+    hidden state (`D3DConfig.reads_target_hidden_state`), a zero `anchor_hidden_state` (its pass costs the same);
+    else none."""
+    if not getattr(drafter.config, "reads_target_hidden_state", False):
+        return {}
+    device = drafter.model.embed_tokens.weight.device
+    return {"anchor_hidden_state": torch.zeros(1, drafter.config.hidden_size, device=device)}
+
+
 @torch.inference_mode()
 def _prefilled_drafter_cache(drafter, prefix_length: int, block: int, generator: torch.Generator, target):
     """Attaches the target when needed and returns a drafter cache of `prefix_length` random committed tokens."""
@@ -249,7 +259,8 @@ def _prefilled_drafter_cache(drafter, prefix_length: int, block: int, generator:
         drafter.attach_target_weights(target)
     device = drafter.model.embed_tokens.weight.device
     cache = D3DCache()
-    drafter.draft_logits(_random_ids(drafter.config.vocab_size, prefix_length, generator, device), cache, block - 1)
+    ids = _random_ids(drafter.config.vocab_size, prefix_length, generator, device)
+    drafter.draft_logits(ids, cache, block - 1, **timing_state(drafter))
     return cache
 
 
@@ -286,11 +297,12 @@ def measure_drafter(
     vocab = drafter.config.vocab_size
     g = torch.Generator().manual_seed(seed)
     cache = _prefilled_drafter_cache(drafter, prefix_length, block, g, target)
+    state = timing_state(drafter)
     out = {}
     for extra in extra_tokens:
         ids = _random_ids(vocab, extra + 1, g, device)
         out[block + int(extra)] = _median_ms(
-            lambda ids=ids: drafter.draft_logits(ids, cache, num_masks=block - 1),
+            lambda ids=ids: drafter.draft_logits(ids, cache, num_masks=block - 1, **state),
             repeats,
             warmup,
             lambda: cache.crop(prefix_length),
@@ -448,4 +460,5 @@ __all__ = [
     "measure_packed_pass",
     "measure_target",
     "predict_speedups",
+    "timing_state",
 ]

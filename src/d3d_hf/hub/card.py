@@ -232,6 +232,11 @@ def render_model_card(
                 " Its layers attend to the target's cached keys and values of those source layers"
                 " (`shares_target_cache`): it drafts only over the target's cache, in D3D's own synchronous loop."
             )
+        if getattr(config, "reads_target_hidden_state", False):
+            init += (
+                " Its anchor also reads the target's last hidden state before it (`reads_target_hidden_state`,"
+                " EAGLE's feature), which D3D's loop keeps from each verification."
+            )
     else:
         init = "The initialisation of this drafter was not recorded."
     target_display = target_model or "not recorded"

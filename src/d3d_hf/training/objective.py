@@ -280,7 +280,9 @@ def target_cache_losses(
     predicts token `x[a+j+1]`, draft token `d_{j+1}`, weighted by `exp(-j / gamma)` as in `d3d_losses`, so the first
     draft token is scored in the block (this drafter has no autoregressive path of its own: there is no `ar_loss`).
     With `distill`, `distill_loss` is the same position-weighted `KL(p || q)` as in `d3d_losses`, `p` the target's
-    next-token distribution at `a + j`, read from the same target forward (no extra pass).
+    next-token distribution at `a + j`, read from the same target forward (no extra pass). A drafter that reads the
+    target's hidden state (`D3DConfig.reads_target_hidden_state`) gets, at each anchor row, the same forward's last
+    hidden state at `a - 1`, as the engine gives it from the verification.
 
     Args:
         drafter (`D3DForDiffusionDrafting`): a drafter with `config.shares_target_cache=True`.
@@ -350,6 +352,14 @@ def target_cache_losses(
         targets = vocab_index[targets]
         scored = scored & (targets >= 0)
 
+    if getattr(config, "reads_target_hidden_state", False):  # the anchor row reads the state before it
+        hidden = out.last_hidden_state.to(dtype)
+        before = (anchors - 1).clamp(min=0)
+        states = torch.gather(hidden, 1, before[:, :, None].expand(-1, -1, hidden.shape[-1]))
+        states = states * (valid_block & (anchors >= 1))[:, :, None].to(dtype)
+        rows = states.new_zeros((batch, anchors.shape[1], block_size, hidden.shape[-1]))
+        rows[:, :, 0] = states
+        head_kwargs["target_hidden_states"] = rows.view(batch, -1, hidden.shape[-1])
     blocks = drafter(
         input_ids=row_ids.view(batch, -1),
         masked_positions=masked.view(batch, -1),

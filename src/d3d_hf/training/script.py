@@ -48,6 +48,9 @@ class D3DTrainScriptArguments:
         shares_target_cache (`bool`, defaults to `False`): a newly initialised standalone drafter attends to the
             target's cached keys and values of the layers it copies (`D3DConfig.shares_target_cache`: query-only
             layers over the target's cache); it trains with `ar_loss_weight=0`.
+        reads_target_hidden_state (`bool`, defaults to `False`): with `shares_target_cache`, the new drafter's anchor
+            also reads the target's last hidden state before it (`D3DConfig.reads_target_hidden_state`, EAGLE's
+            feature).
         dtype (`str`, defaults to `"float32"`): dtype of the target (and shared weights) during training.
         tau_holdout (`int`, defaults to 4): rows held out of training (the last ones) whose prompts measure tau
             every `tau_eval_steps` (a conversational row's prompt is its messages before the last assistant turn).
@@ -73,6 +76,9 @@ class D3DTrainScriptArguments:
     shares_target_cache: bool = field(
         default=False, metadata={"help": "New standalone drafter attends to the target's cache of its layer_ids."}
     )
+    reads_target_hidden_state: bool = field(
+        default=False, metadata={"help": "With shares_target_cache: the anchor reads the target's last hidden state."}
+    )
     tau_holdout: int = field(default=4, metadata={"help": "Rows held out for tau evaluation."})
     max_samples: int | None = field(default=None, metadata={"help": "Train on the first N rows (learning curves)."})
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads."})
@@ -83,8 +89,14 @@ class D3DTrainScriptArguments:
 
         Raises:
             ValueError: naming the flag, for `num_layers` or `threads` below 1, `init_block_size` below 2 (training
-                needs a mask), `tau_holdout` below 0, or a `dtype` other than float32, bfloat16, float16.
+                needs a mask), `tau_holdout` below 0, a `dtype` other than float32, bfloat16, float16, or
+                `reads_target_hidden_state` without `shares_target_cache`.
         """
+        if self.reads_target_hidden_state and not self.shares_target_cache:
+            raise ValueError(
+                "--reads_target_hidden_state true needs --shares_target_cache true: only a drafter over the target's "
+                "cache reads its hidden state."
+            )
         names = (("num_layers", 1), ("init_block_size", 2), ("tau_holdout", 0), ("threads", 1), ("max_samples", 1))
         for name, low in (*names, ("draft_vocab_size", 1)):
             value = getattr(self, name)
@@ -263,6 +275,7 @@ def train_drafter(script: D3DTrainScriptArguments, config: D3DTrainingConfig) ->
             shares_target_weights=shares,
             draft_vocab_ids=vocab_ids,
             shares_target_cache=script.shares_target_cache,
+            reads_target_hidden_state=script.reads_target_hidden_state,
         )
     if drafter.config.shares_target_weights and config.train_mode != "block_adapter":
         raise ValueError("A drafter that shares the target's weights can only train with train_mode=block_adapter.")
