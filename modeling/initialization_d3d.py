@@ -27,6 +27,7 @@ def from_autoregressive(
     draft_vocab_ids: list[int] | None = None,
     shares_target_cache: bool = False,
     reads_target_hidden_state: bool = False,
+    hidden_state_init: str = "zeros",
 ) -> PreTrainedModel:
     r"""
     Initialises a drafter from an autoregressive causal LM of the same tokenizer (Llama-, Mistral- or
@@ -67,17 +68,24 @@ def from_autoregressive(
             With `shares_target_cache`: the anchor also reads the target's last hidden state before it
             (`D3DConfig.reads_target_hidden_state`, EAGLE's feature); its projection starts at zero, so the new
             drafter drafts exactly as one without it.
+        hidden_state_init (`str`, defaults to `"zeros"`):
+            How `hidden_state_proj` starts with `reads_target_hidden_state`: `"zeros"` (the drafter starts as one
+            without the feature; Adam then grows the projection by about the learning rate per step), or
+            `"identity"`: `s * I` with `s` the source's mean input-embedding norm over `sqrt(hidden_size)`, so the
+            anchor's input starts as its embedding plus the normed target state at the embeddings' scale.
 
     Returns:
         `D3DForDiffusionDrafting` in the source model's dtype and on its device, in eval mode.
 
     Raises:
         ValueError: if both `num_layers` and `layer_ids` are given, a layer index is out of range, the source's
-            layers do not have the supported layout, or `reads_target_hidden_state` comes without
-            `shares_target_cache`.
+            layers do not have the supported layout, `reads_target_hidden_state` comes without
+            `shares_target_cache`, or `hidden_state_init` is not `"zeros"` or `"identity"`.
     """
     if num_layers is not None and layer_ids is not None:
         raise ValueError("Give either `num_layers` or `layer_ids`, not both.")
+    if hidden_state_init not in ("zeros", "identity"):
+        raise ValueError(f"`hidden_state_init` must be 'zeros' or 'identity', got {hidden_state_init!r}.")
     src_cfg = model.config.get_text_config()
     total = src_cfg.num_hidden_layers
     if layer_ids is None:
@@ -166,8 +174,12 @@ def from_autoregressive(
     with torch.no_grad():
         if drafter.model.mask_embedding is not None:
             drafter.model.mask_embedding.weight.copy_(ref.float().mean(dim=0).to(ref.dtype))
-        if drafter.model.hidden_state_proj is not None:  # starts as a drafter without the feature
-            drafter.model.hidden_state_proj.weight.zero_()
+        if drafter.model.hidden_state_proj is not None:
+            weight = drafter.model.hidden_state_proj.weight
+            weight.zero_()  # "zeros": starts as a drafter without the feature
+            if hidden_state_init == "identity":  # the normed state (norm sqrt(H)) at the embeddings' mean norm
+                scale = ref.float().norm(dim=-1).mean() / config.hidden_size**0.5
+                weight.copy_(torch.eye(config.hidden_size, dtype=torch.float32).mul(scale).to(weight.dtype))
             drafter.model.hidden_state_norm.weight.fill_(1.0)
     return drafter.eval()
 

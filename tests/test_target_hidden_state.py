@@ -193,3 +193,16 @@ def test_save_and_load_keep_the_projection(target, tmp_path):
     loaded = D3DForDiffusionDrafting.from_pretrained(tmp_path / "drafter")
     assert loaded.config.reads_target_hidden_state
     torch.testing.assert_close(loaded.model.hidden_state_proj.weight, drafter.model.hidden_state_proj.weight)
+
+
+def test_identity_init_brings_the_state_in_at_the_embeddings_scale(target):
+    drafter = _drafter(target, trained=False, hidden_state_init="identity")
+    weight = drafter.model.hidden_state_proj.weight
+    embeddings = target.model.embed_tokens.weight
+    scale = embeddings.norm(dim=-1).mean() / embeddings.shape[1] ** 0.5
+    torch.testing.assert_close(weight, torch.eye(weight.shape[0]) * scale)
+    state = 5 * torch.randn(1, weight.shape[0])  # any state comes in at the embeddings' mean norm
+    projected = drafter.model.hidden_state_proj(drafter.model.hidden_state_norm(state))
+    torch.testing.assert_close(projected.norm(), embeddings.norm(dim=-1).mean(), rtol=1e-3, atol=1e-4)
+    with pytest.raises(ValueError, match="'zeros' or 'identity'"):
+        _drafter(target, trained=False, hidden_state_init="eye")

@@ -51,6 +51,8 @@ class D3DTrainScriptArguments:
         reads_target_hidden_state (`bool`, defaults to `False`): with `shares_target_cache`, the new drafter's anchor
             also reads the target's last hidden state before it (`D3DConfig.reads_target_hidden_state`, EAGLE's
             feature).
+        hidden_state_init (`str`, defaults to `"zeros"`): with `reads_target_hidden_state`, how the state's projection
+            starts (`from_autoregressive`'s `hidden_state_init`: `zeros` or `identity`).
         dtype (`str`, defaults to `"float32"`): dtype of the target (and shared weights) during training.
         tau_holdout (`int`, defaults to 4): rows held out of training (the last ones) whose prompts measure tau
             every `tau_eval_steps` (a conversational row's prompt is its messages before the last assistant turn).
@@ -79,6 +81,9 @@ class D3DTrainScriptArguments:
     reads_target_hidden_state: bool = field(
         default=False, metadata={"help": "With shares_target_cache: the anchor reads the target's last hidden state."}
     )
+    hidden_state_init: str = field(
+        default="zeros", metadata={"help": "How the state's projection starts: zeros or identity (scaled)."}
+    )
     tau_holdout: int = field(default=4, metadata={"help": "Rows held out for tau evaluation."})
     max_samples: int | None = field(default=None, metadata={"help": "Train on the first N rows (learning curves)."})
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads."})
@@ -89,9 +94,12 @@ class D3DTrainScriptArguments:
 
         Raises:
             ValueError: naming the flag, for `num_layers` or `threads` below 1, `init_block_size` below 2 (training
-                needs a mask), `tau_holdout` below 0, a `dtype` other than float32, bfloat16, float16, or
-                `reads_target_hidden_state` without `shares_target_cache`.
+                needs a mask), `tau_holdout` below 0, a `dtype` other than float32, bfloat16, float16, a
+                `hidden_state_init` other than zeros or identity, or `reads_target_hidden_state` without
+                `shares_target_cache`.
         """
+        if self.hidden_state_init not in ("zeros", "identity"):
+            raise ValueError(f"--hidden_state_init must be zeros or identity, got {self.hidden_state_init!r}.")
         if self.reads_target_hidden_state and not self.shares_target_cache:
             raise ValueError(
                 "--reads_target_hidden_state true needs --shares_target_cache true: only a drafter over the target's "
@@ -276,6 +284,7 @@ def train_drafter(script: D3DTrainScriptArguments, config: D3DTrainingConfig) ->
             draft_vocab_ids=vocab_ids,
             shares_target_cache=script.shares_target_cache,
             reads_target_hidden_state=script.reads_target_hidden_state,
+            hidden_state_init=script.hidden_state_init,
         )
     if drafter.config.shares_target_weights and config.train_mode != "block_adapter":
         raise ValueError("A drafter that shares the target's weights can only train with train_mode=block_adapter.")
