@@ -10,12 +10,17 @@ For each drafter (shipped names or folders), in one session on an otherwise idle
    taken within its own interleaved run (`engine-lookup` is the same engine with the drafter never drafting, so
    `d3d / engine-lookup` is what the drafter adds; the engine calibrates each drafter's own draft curve).
 
+With `--tree-budget N`, step 2 also measures tau with a tree of `N` draft nodes from the same pass (`compare_tau.py
+--tree-budget`; at `N = B - 1` the verification has a full chain's rows) and step 3 adds the `d3d-tree` method with
+that budget.
+
 Every step writes a file under `--out` and is skipped when that file exists, so a stopped run resumes; `--render`
 only rebuilds `--out`/README.md from what is there.
 
     python benchmarks/drafter_side_by_side.py --drafters d3d-smollm2-135m-instruct runs/small4-v8k \
         --out benchmarks/results/small_drafter/side_by_side [--dtypes bfloat16,float32] \
-        [--sets humaneval:20:20,gsm8k:0:10,mt-bench:0:10] [--threads 2] [--steps cost,tau,bench] [--render]
+        [--sets humaneval:20:20,gsm8k:0:10,mt-bench:0:10] [--threads 2] [--steps cost,tau,bench] [--tree-budget 15]
+        [--render]
 """
 
 from __future__ import annotations
@@ -54,11 +59,13 @@ def measure(args) -> None:
     if "tau" in steps:
         for drafter in args.drafters:
             for name in SETS:
-                path = out / "tau" / f"{slug(drafter)}-{name}.json"
-                if not path.is_file():
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    _run(tau_command(Path(drafter), name, path, limit=args.tau_limit, threads=args.threads,
-                                     max_new_tokens=args.max_new_tokens))  # fmt: skip
+                for tree in (None, args.tree_budget) if args.tree_budget else (None,):
+                    path = out / "tau" / f"{slug(drafter)}-{name}{'' if tree is None else f'-tree{tree}'}.json"
+                    if not path.is_file():
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                        command = tau_command(Path(drafter), name, path, limit=args.tau_limit, threads=args.threads,
+                                              max_new_tokens=args.max_new_tokens)  # fmt: skip
+                        _run(command + ([] if tree is None else ["--tree-budget", str(tree)]))
     if "bench" in steps:
         for dtype in args.dtypes.split(","):
             for spec in args.sets.split(","):
@@ -66,7 +73,9 @@ def measure(args) -> None:
                 for drafter in args.drafters:
                     folder = out / "bench" / slug(drafter) / f"{name}_{dtype}"
                     if not (folder / "results.json").is_file():
-                        _run(["d3d-hf", "bench", "--drafter", drafter, "--methods", METHODS, "--prompts", name,
+                        methods = METHODS + (",d3d-tree" if args.tree_budget else "")
+                        tree = ["--tree-budget", str(args.tree_budget)] if args.tree_budget else []
+                        _run(["d3d-hf", "bench", "--drafter", drafter, "--methods", methods, *tree, "--prompts", name,
                               "--offset", offset, "--limit", limit, "--max-new-tokens", str(args.max_new_tokens),
                               "--dtype", dtype, "--threads", str(args.threads), "--output-dir", str(folder),
                               "--overwrite"])  # fmt: skip
@@ -84,9 +93,14 @@ def render(args) -> str:
         lines += [f"CPU: {costs['cpu']}; draft pass in one-row target steps ({costs['dtype']}, {costs['threads']} "
                   f"threads; target: one row {costs['target_ms']['1']:.1f} ms, 16 rows "
                   f"{costs['target_ms']['16'] / costs['target_ms']['1']:.2f} steps).", ""]  # fmt: skip
+    trees = (None, args.tree_budget) if args.tree_budget else (None,)
     header = "| drafter | layers, head rows | pass 1 / 8 / 16 rows (steps) | "
-    header += " | ".join(f"tau {n} {o}-{o + k - 1}" for n, (o, k) in SETS.items()) + " |"
-    lines += [header, "|---|---|---|" + "---|" * len(SETS)]
+    header += " | ".join(
+        f"tau {n} {o}-{o + k - 1}" + ("" if tree is None else f", tree of {tree}")
+        for n, (o, k) in SETS.items()
+        for tree in trees
+    )
+    lines += [header + " |", "|---|---|---|" + "---|" * len(SETS) * len(trees)]
     for drafter in args.drafters:
         # small_drafter_cost.py labels a trained drafter's row "NAME (LAYERS, trained)"
         rows = (costs or {}).get("drafters", {})
@@ -94,8 +108,8 @@ def render(args) -> str:
         shape = f"{label[len(drafter) + 2 :].split(',')[0]}, {row['head_rows']}" if row else "-"
         passes = " / ".join(f"{row['steps'][q]:.2f}" for q in ("1", "8", "16")) if row else "-"
         cells = []
-        for name in SETS:
-            path = out / "tau" / f"{slug(drafter)}-{name}.json"
+        for name, tree in ((name, tree) for name in SETS for tree in trees):
+            path = out / "tau" / f"{slug(drafter)}-{name}{'' if tree is None else f'-tree{tree}'}.json"
             if path.is_file():
                 found = json.loads(path.read_text())
                 tau, lossless = next(iter(found["tau"].values())), next(iter(found["lossless"].values()))
@@ -103,8 +117,9 @@ def render(args) -> str:
             else:
                 cells.append("-")
         lines.append(f"| {drafter} | {shape} | {passes} | " + " | ".join(cells) + " |")
-    lines += ["", "| drafter | set | dtype | pld | d3d (tau) | engine-lookup | d3d / engine-lookup | d3d / pld | "
-              "drafter rounds | lossless (d3d) |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += ["", "| drafter | set | dtype | pld | d3d (tau) | d3d-tree (tau) | engine-lookup | d3d / engine-lookup | "
+              "d3d / pld | d3d-tree / engine-lookup | drafter rounds | lossless (d3d) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for dtype in args.dtypes.split(","):
         for spec in args.sets.split(","):
             name, offset, limit = spec.split(":")
@@ -115,11 +130,15 @@ def render(args) -> str:
                 s = json.loads(path.read_text())["summary"]
                 sources = s["d3d"].get("round_sources", {})
                 rounds = f"{sources.get('drafter', 0)} of {sum(sources.values())}" if sources else "-"
+                tree, lookup = s.get("d3d-tree"), s["engine-lookup"]["speedup"]
                 lines.append(
                     f"| {drafter} | {name} {offset}+{limit} | {dtype} | {s['pld']['speedup']:.2f}x | "
-                    f"{s['d3d']['speedup']:.2f}x ({s['d3d']['tau']:.2f}) | {s['engine-lookup']['speedup']:.2f}x | "
-                    f"{s['d3d']['speedup'] / s['engine-lookup']['speedup']:.2f} | "
-                    f"{s['d3d']['speedup'] / s['pld']['speedup']:.2f} | {rounds} | {s['d3d']['lossless_match']:.0%} |"
+                    f"{s['d3d']['speedup']:.2f}x ({s['d3d']['tau']:.2f}) | "
+                    + (f"{tree['speedup']:.2f}x ({tree['tau']:.2f}) | " if tree else "- | ")
+                    + f"{lookup:.2f}x | {s['d3d']['speedup'] / lookup:.2f} | "
+                    f"{s['d3d']['speedup'] / s['pld']['speedup']:.2f} | "
+                    + (f"{tree['speedup'] / lookup:.2f} | " if tree else "- | ")
+                    + f"{rounds} | {s['d3d']['lossless_match']:.0%} |"
                 )
     text = "\n".join(lines) + "\n"
     (out / "README.md").write_text(text)
@@ -138,6 +157,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15, help="of the cost timing")
     parser.add_argument("--tau-limit", type=int, help="fewer tau prompts per set than learning_curve.SETS")
     parser.add_argument("--steps", default="cost,tau,bench", help="which of cost,tau,bench to run")
+    parser.add_argument("--tree-budget", type=int, help="also tau with a tree of N drafts, and d3d-tree in the bench")
     parser.add_argument("--render", action="store_true", help="only rebuild README.md")
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,9 @@
 """Held-out tau of two drafters of the same target, same prompts, same settings (issue 16: the recipe on the TRL
 trainer against the shipped drafter). A full block of drafts every round (`d3d_num_drafts="full"`, no prompt lookup,
-chain verification), greedy, float32, so tau is the drafter's acceptance; lossless checked on every prompt.
+chain verification), greedy, float32, so tau is the drafter's acceptance; lossless checked on every prompt. With
+`--tree-budget N`, each round verifies a tree of `N` draft nodes built from the same full-block pass instead
+(`d3d_tree_budget=N`): at `N = B - 1` its verification has the rows of a full chain, so the two taus compare what one
+verification of that width commits.
 
     python benchmarks/trl/compare_tau.py --drafters d3d-smollm2-135m-instruct runs/train/smollm2-d3d \
         --prompts humaneval --offset 20 --limit 10 --max-new-tokens 128 --output benchmarks/results/trl/tau.json
@@ -30,13 +33,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (tau is the same up to rounding)")
     parser.add_argument("--output", required=True)
+    parser.add_argument("--tree-budget", type=int, default=None, help="verify a tree of N drafts (default: a chain)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, tokenizer = load_target("smollm2-135m-instruct", dtype="float32", device=args.device)
     drafters = {name: load_drafter(name).to(args.device) for name in args.drafters}
     prompts = load_prompts(args.prompts)[args.offset : args.offset + args.limit]
+    tree = {} if args.tree_budget is None else {"d3d_tree_budget": args.tree_budget}
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, d3d_num_drafts="full",
-                              d3d_prompt_lookup=False)
+                              d3d_prompt_lookup=False, **tree)
     totals = {name: {"new_tokens": 0, "rounds": 0, "lossless": 0, "per_prompt": []} for name in drafters}
     for prompt in prompts:
         ids = encode_prompt(tokenizer, prompt).to(args.device)
@@ -54,8 +59,9 @@ def main() -> None:
         "command": "python benchmarks/trl/compare_tau.py " + " ".join(
             ["--drafters", *args.drafters, "--prompts", args.prompts, "--offset", str(args.offset), "--limit",
              str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads),
-             "--device", args.device,
-             "--output", args.output]),
+             "--device", args.device, "--output", args.output]
+            + ([] if args.tree_budget is None else ["--tree-budget", str(args.tree_budget)])),
+        "verification": "chain" if args.tree_budget is None else f"tree of {args.tree_budget} nodes",
         "machine": platform.processor() or platform.machine(),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "prompts": f"{args.prompts}[{args.offset}:{args.offset + args.limit}]",
