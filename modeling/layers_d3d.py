@@ -298,6 +298,47 @@ class D3DDecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states), block_gate)
 
 
+def create_hidden_state_input(config) -> tuple[nn.Module | None, nn.Linear | None]:
+    """`(hidden_state_norm, hidden_state_proj)` of a `config.reads_target_hidden_state` drafter (EAGLE's feature): an
+    RMSNorm and a square bias-free linear that starts at zero (`_d3d_zero_init`); `(None, None)` for other drafters."""
+    if not getattr(config, "reads_target_hidden_state", False):
+        return None, None
+    proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+    proj._d3d_zero_init = True  # a new drafter starts as one without the feature
+    return D3DRMSNorm(config.hidden_size, eps=config.rms_norm_eps), proj
+
+
+def add_target_hidden_states(
+    inputs_embeds: torch.Tensor, target_hidden_states: torch.Tensor | None, model: nn.Module
+) -> torch.Tensor:
+    """`inputs_embeds` plus `model.hidden_state_proj(model.hidden_state_norm(target_hidden_states))`: EAGLE's feature
+    (arXiv 2401.15077) as `D3DModel.forward` takes it (`D3DConfig.reads_target_hidden_state`; both `None` for a
+    drafter without it). Both tensors have shape `(batch_size, seq_len, hidden_size)`; a zero row adds nothing.
+
+    Raises:
+        ValueError: if the state is missing for a drafter that reads it, given to one that does not, or misshapen.
+    """
+    norm, proj = model.hidden_state_norm, model.hidden_state_proj
+    if proj is None:
+        if target_hidden_states is not None:
+            raise ValueError(
+                "`target_hidden_states` was given, but this drafter does not read the target's hidden state "
+                "(`config.reads_target_hidden_state=False`): pass none."
+            )
+        return inputs_embeds
+    if target_hidden_states is None:
+        raise ValueError(
+            "This drafter reads the target's last hidden state before the anchor "
+            "(`config.reads_target_hidden_state=True`): pass `target_hidden_states` (zeros where a row has none)."
+        )
+    if target_hidden_states.shape != inputs_embeds.shape:
+        raise ValueError(
+            f"`target_hidden_states` must have shape {tuple(inputs_embeds.shape)} (one row per input row), got "
+            f"{tuple(target_hidden_states.shape)}."
+        )
+    return inputs_embeds + proj(norm(target_hidden_states.to(inputs_embeds.dtype)))
+
+
 __all__ = [
     "D3DAttention",
     "D3DDecoderLayer",
@@ -305,7 +346,9 @@ __all__ = [
     "D3DMaskEmbedding",
     "D3DRMSNorm",
     "D3DRotaryEmbedding",
+    "add_target_hidden_states",
     "apply_rotary_pos_emb",
+    "create_hidden_state_input",
     "eager_attention_forward",
     "kernel_attention_interface",
     "repeat_kv",

@@ -41,7 +41,9 @@ from .layers_d3d import (
     D3DMaskEmbedding,
     D3DRMSNorm,
     D3DRotaryEmbedding,
+    add_target_hidden_states,
     create_block_adapters,
+    create_hidden_state_input,
     eager_attention_forward,
     kernel_attention_interface,
 )
@@ -181,13 +183,7 @@ class D3DModel(D3DPreTrainedModel):
         # A vocabulary that fills every id (SmolLM2) has no spare row for the mask token: keep it separately so the
         # drafter's `vocab_size` stays equal to the target's (transformers' assisted generation requires it).
         self.mask_embedding = D3DMaskEmbedding(config.hidden_size) if config.mask_token_id is None else None
-        # EAGLE's feature (`reads_target_hidden_state`): the target's last hidden state, normed and projected, added
-        # to the anchor's input embedding
-        self.hidden_state_norm = self.hidden_state_proj = None
-        if getattr(config, "reads_target_hidden_state", False):
-            self.hidden_state_norm = D3DRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            self.hidden_state_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
-            self.hidden_state_proj._d3d_zero_init = True  # a new drafter starts as one without the feature
+        self.hidden_state_norm, self.hidden_state_proj = create_hidden_state_input(config)  # EAGLE's feature, or None
         # how packed passes attend (not saved): `drafting_d3d.PACKED_ATTENTION_IMPLEMENTATIONS`
         self.packed_attention_implementation = "auto"
         self.fast_path_settings = FastPathSettings()  # the fast paths' switches and derived weights (not saved)
@@ -210,30 +206,6 @@ class D3DModel(D3DPreTrainedModel):
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
-
-    def _add_target_hidden_states(
-        self, inputs_embeds: torch.Tensor, target_hidden_states: torch.Tensor | None
-    ) -> torch.Tensor:
-        """`inputs_embeds` plus the projected target hidden states (`forward`'s `target_hidden_states`)."""
-        if self.hidden_state_proj is None:
-            if target_hidden_states is not None:
-                raise ValueError(
-                    "`target_hidden_states` was given, but this drafter does not read the target's hidden state "
-                    "(`config.reads_target_hidden_state=False`): pass none."
-                )
-            return inputs_embeds
-        if target_hidden_states is None:
-            raise ValueError(
-                "This drafter reads the target's last hidden state before the anchor "
-                "(`config.reads_target_hidden_state=True`): pass `target_hidden_states` (zeros where a row has none)."
-            )
-        if target_hidden_states.shape != inputs_embeds.shape:
-            raise ValueError(
-                f"`target_hidden_states` must have shape {tuple(inputs_embeds.shape)} (one row per input row), got "
-                f"{tuple(target_hidden_states.shape)}."
-            )
-        features = self.hidden_state_norm(target_hidden_states.to(inputs_embeds.dtype))
-        return inputs_embeds + self.hidden_state_proj(features)
 
     def mask_token_embedding(self) -> torch.Tensor:
         """The mask token's input embedding, shape `(hidden_size,)`."""
@@ -287,18 +259,15 @@ class D3DModel(D3DPreTrainedModel):
                 dense mask elsewhere; `"dense"`; `"kernel"`: the kernel wherever it can run, e.g. on CPU under
                 `TRITON_INTERPRET=1`), decided once for the whole forward.
             target_hidden_states (`torch.FloatTensor` of shape `(batch_size, seq_len, hidden_size)`, *optional*):
-                Required by (and only for) a drafter with `config.reads_target_hidden_state`: per row, the target's
-                last hidden state (after its final norm) at the position before the row, zeros for rows without one
-                (in a draft pass, every row but the anchor). Each row's input gains
-                `hidden_state_proj(hidden_state_norm(row))` (zero for a zero row): EAGLE's feature, arXiv 2401.15077.
+                For (and only for) a `config.reads_target_hidden_state` drafter: per row, the target's last hidden
+                state before it, zeros where none (`layers_d3d.add_target_hidden_states`; EAGLE, arXiv 2401.15077).
 
         Returns:
             `D3DModelOutput` with `last_hidden_state` of shape `(batch_size, seq_len, hidden_size)`.
 
         Raises:
-            ValueError: if neither or both of `input_ids` and `inputs_embeds` are given, a mask has the wrong shape,
-                or `target_hidden_states` is missing for a drafter that reads it, given to one that does not, or of
-                the wrong shape.
+            ValueError: if neither or both of `input_ids` and `inputs_embeds` are given, a mask or
+                `target_hidden_states` has the wrong shape, or the latter is missing or not expected.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
@@ -312,7 +281,7 @@ class D3DModel(D3DPreTrainedModel):
                 )
             mask_vec = self.mask_token_embedding().to(inputs_embeds.dtype)
             inputs_embeds = torch.where(masked_positions[..., None], mask_vec, inputs_embeds)
-        inputs_embeds = self._add_target_hidden_states(inputs_embeds, target_hidden_states)
+        inputs_embeds = add_target_hidden_states(inputs_embeds, target_hidden_states, self)
 
         if use_cache and past_key_values is None:
             past_key_values = D3DCache()
@@ -434,8 +403,7 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
 
     @staticmethod
     def is_drafter_specific(name: str) -> bool:
-        """Whether a state-dict key belongs to the drafter itself (mask embedding, block adapters, the projection of
-        the target's hidden state), not to the layers it shares with its target."""
+        """Whether a state-dict key is the drafter's own (mask embedding, block adapters, target-state projection)."""
         return any(part in name for part in ("mask_embedding", ".lora_A", ".lora_B", "hidden_state_"))
 
     def drafter_state_dict(self) -> dict[str, torch.Tensor]:
@@ -633,25 +601,14 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
             outputs.logits = self.expand_draft_logits(outputs.logits)
         return outputs
 
-    def draft_logits(
-        self,
-        committed_ids: torch.LongTensor,
-        cache: D3DCache,
-        num_masks: int | None = None,
-        anchor_hidden_state: torch.FloatTensor | None = None,
-    ) -> torch.FloatTensor:
+    def draft_logits(self, committed_ids: torch.LongTensor, cache: D3DCache, num_masks: int | None = None,
+                     anchor_hidden_state: torch.FloatTensor | None = None) -> torch.FloatTensor:  # fmt: skip
         """One synchronous draft pass: `drafting_d3d.draft_logits(self, ...)` (arguments, returns and errors there)."""
         return draft_logits(self, committed_ids, cache, num_masks, anchor_hidden_state)
 
-    def packed_draft_logits(
-        self,
-        chain_ids: torch.LongTensor,
-        cache: D3DCache,
-        hypothesis_chain_lengths: list[int],
-        bonus_guesses: list[int],
-    ) -> D3DPackedDraft:
-        """Packed successor drafting: `drafting_d3d.packed_draft_logits(self, ...)` (arguments, returns and errors
-        there)."""
+    def packed_draft_logits(self, chain_ids: torch.LongTensor, cache: D3DCache, hypothesis_chain_lengths: list[int],
+                            bonus_guesses: list[int]) -> D3DPackedDraft:  # fmt: skip
+        """Packed successor drafting: `drafting_d3d.packed_draft_logits(self, ...)` (arguments, returns, errors)."""
         return packed_draft_logits(self, chain_ids, cache, hypothesis_chain_lengths, bonus_guesses)
 
     def build_candidate_generator(self, target=None, **kwargs):
@@ -681,10 +638,9 @@ class D3DForDiffusionDrafting(D3DPreTrainedModel):
     @classmethod
     def from_autoregressive(cls, model: PreTrainedModel, *args, **kwargs) -> D3DForDiffusionDrafting:
         """Initialises a drafter from an autoregressive causal LM of the same tokenizer:
-        `initialization_d3d.from_autoregressive(cls, model, ...)` (keyword arguments `num_layers`, `layer_ids`,
-        `block_size`, `mask_token_id`, `source_model`, `target_model`, `block_lora_rank`, `block_lora_alpha`,
-        `shares_target_weights`, `draft_vocab_ids`, `shares_target_cache`, `reads_target_hidden_state`; their meaning,
-        the returns and the errors there)."""
+        `initialization_d3d.from_autoregressive(cls, model, ...)` (its keyword arguments, e.g. `layer_ids`,
+        `block_size`, `block_lora_rank`, `draft_vocab_ids`, `shares_target_cache`, `reads_target_hidden_state`, their
+        meaning, the returns and the errors there)."""
         return from_autoregressive(cls, model, *args, **kwargs)
 
 
