@@ -130,3 +130,37 @@ def chi_square_p_value(counts: torch.Tensor, exact: torch.Tensor, n: int) -> flo
         obs, exp = obs[:-1], exp[:-1]
     chi2 = ((obs - exp) ** 2 / exp).sum()
     return float(1 - torch.special.gammainc(torch.tensor((len(obs) - 1) / 2.0), chi2 / 2.0))
+
+
+def target_cache_batch(length: int = 14, anchors=(5, 9), block_size: int = 4, seed: int = 0) -> dict:
+    """A one-row collator-style batch for `target_cache_losses`: random ids, blocks at `anchors`, all masked."""
+    ids = random_prompt(length, seed=seed)
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "response_start": torch.tensor([3]),
+        "anchors": torch.tensor([list(anchors)]),
+        "block_masked": torch.ones(1, len(anchors), block_size - 1, dtype=torch.bool),
+    }
+
+
+def target_cache_block_logits(drafter, batch: dict, block_size: int, target) -> torch.Tensor:
+    """The block logits `target_cache_losses` scores for `batch`, `(num_blocks, block_size, vocab)`: the drafter's
+    forward output, caught on its way to the loss."""
+    from d3d_hf.training.objective import target_cache_losses
+
+    captured = {}
+    original = drafter.forward
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        captured["logits"] = out.logits
+        return out
+
+    drafter.forward = spy
+    try:
+        with torch.no_grad():
+            target_cache_losses(drafter, batch, block_size, gamma=7.0, target=target)
+    finally:
+        del drafter.forward
+    return captured["logits"].view(batch["anchors"].shape[1], block_size, -1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _tiny import random_prompt, tiny_target
+from _tiny import random_prompt, target_cache_batch, target_cache_block_logits, tiny_target
 
 import d3d_hf  # noqa: F401  (the model type and the generate hook)
 from d3d_hf import D3DForDiffusionDrafting
@@ -34,14 +34,7 @@ def _drafter(target, layer_ids=(1, 3), seed=0, **kwargs):
 
 
 def _batch(length=14, anchors=(5, 9), seed=0):
-    ids = random_prompt(length, seed=seed)
-    return {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "response_start": torch.tensor([3]),
-        "anchors": torch.tensor([list(anchors)]),
-        "block_masked": torch.ones(1, len(anchors), BLOCK - 1, dtype=torch.bool),
-    }
+    return target_cache_batch(length, anchors, BLOCK, seed)
 
 
 def test_attention_mask_is_the_draft_pass_layout():
@@ -60,19 +53,7 @@ def test_training_rows_are_the_engine_draft_pass(target):
     cache that holds the tokens before the anchor (what D3D's loop shares)."""
     drafter = _drafter(target)
     batch = _batch()
-    captured = {}
-    original = drafter.forward
-
-    def spy(*args, **kwargs):
-        out = original(*args, **kwargs)
-        captured["logits"] = out.logits
-        return out
-
-    drafter.forward = spy
-    with torch.no_grad():
-        target_cache_losses(drafter, batch, BLOCK, gamma=7.0, target=target)
-    del drafter.forward
-    block_rows = captured["logits"].view(2, BLOCK, -1)
+    block_rows = target_cache_block_logits(drafter, batch, BLOCK, target)
     ids = batch["input_ids"]
     for k, anchor in enumerate(batch["anchors"][0].tolist()):
         with torch.no_grad():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _tiny import random_prompt, tiny_target
+from _tiny import random_prompt, target_cache_batch, target_cache_block_logits, tiny_target
 
 import d3d_hf  # noqa: F401  (the model type and the generate hook)
 from d3d_hf import D3DConfig, D3DForDiffusionDrafting
@@ -82,28 +82,10 @@ def test_training_rows_read_the_state_the_engine_gives(target):
     """The objective's block logits are, row for row, `draft_logits` with the target's last hidden state at
     `anchor - 1`; and the state matters (a zero state gives other logits)."""
     drafter = _drafter(target)
-    ids = random_prompt(14)
     anchors = (5, 9)
-    batch = {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "response_start": torch.tensor([3]),
-        "anchors": torch.tensor([list(anchors)]),
-        "block_masked": torch.ones(1, len(anchors), BLOCK - 1, dtype=torch.bool),
-    }
-    captured = {}
-    original = drafter.forward
-
-    def spy(*args, **kwargs):
-        out = original(*args, **kwargs)
-        captured["logits"] = out.logits
-        return out
-
-    drafter.forward = spy
-    with torch.no_grad():
-        target_cache_losses(drafter, batch, BLOCK, gamma=7.0, target=target)
-    del drafter.forward
-    rows = captured["logits"].view(len(anchors), BLOCK, -1)
+    batch = target_cache_batch(14, anchors, BLOCK)
+    ids = batch["input_ids"]
+    rows = target_cache_block_logits(drafter, batch, BLOCK, target)
     for k, anchor in enumerate(anchors):
         state = _state_before(target, ids, anchor)
         with torch.no_grad():
@@ -116,15 +98,8 @@ def test_training_rows_read_the_state_the_engine_gives(target):
 
 def test_losses_train_the_projection(target):
     drafter = _drafter(target, trained=False).train()
-    ids = random_prompt(14)
-    batch = {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "response_start": torch.tensor([3]),
-        "anchors": torch.tensor([[5, 9]]),
-        "block_masked": torch.ones(1, 2, BLOCK - 1, dtype=torch.bool),
-    }
-    losses = target_cache_losses(drafter, batch, BLOCK, gamma=7.0, target=target, distill=True)
+    losses = target_cache_losses(drafter, target_cache_batch(14, (5, 9), BLOCK), BLOCK, gamma=7.0, target=target,
+                                 distill=True)  # fmt: skip
     (losses["block_loss"] + losses["distill_loss"]).backward()
     assert drafter.model.hidden_state_proj.weight.grad.abs().sum() > 0
 
