@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 from _common import add_timing_arguments, emit, median_ms
 from d3d_hf.modeling.calibration_d3d import cpu_model
+from d3d_hf.modeling.drafting_d3d import timing_state
 
 from d3d_hf import D3DForDiffusionDrafting
-from d3d_hf.costmodel import _prefilled_drafter_cache, _random_ids, timing_state
+from d3d_hf.costmodel import _prefilled_drafter_cache, _random_ids
 from d3d_hf.drafters import draft_vocabulary, load_drafter
 from d3d_hf.targets import load_target
 

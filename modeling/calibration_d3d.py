@@ -350,7 +350,7 @@ def measure_cost_curves(
     """
     from transformers import DynamicCache
 
-    from .drafting_d3d import D3DCache  # deferred: no sibling import at module import time
+    from .drafting_d3d import D3DCache, timing_state  # deferred: no sibling import at module import time
     from .fast_paths_d3d import layout_mark
     from .patches_d3d import apply_fast_paths
 
@@ -397,9 +397,7 @@ def measure_cost_curves(
             # time draft passes once their matmul layouts are chosen (`D3DModel.autotune_matmuls`)
             layouts = layout_mark if d3d_drafter else None
             drafter_cache = D3DCache()
-            state = {}  # a drafter that reads the target's hidden state: a zero one costs the same
-            if getattr(drafter.config, "reads_target_hidden_state", False):
-                state["anchor_hidden_state"] = torch.zeros(1, drafter.config.hidden_size, device=drafter_device)
+            state = timing_state(drafter)  # a zero target state for a drafter that reads one: it costs the same
             drafter.draft_logits(context.to(drafter_device), drafter_cache, num_masks=0, **state)
             for q in rows:
                 ids = random_ids(q).to(target_device)

@@ -333,6 +333,16 @@ def anchor_rows(anchor_hidden_state: torch.Tensor | None, num_rows: int, anchor:
     return rows
 
 
+def timing_state(drafter) -> dict:
+    """Keyword arguments that let `draft_logits` run a timed pass of any drafter (calibration, cost timing): for one
+    that reads the target's hidden state (`config.reads_target_hidden_state`), a zero `anchor_hidden_state`, whose
+    pass costs the same; else none."""
+    if not getattr(drafter.config, "reads_target_hidden_state", False):
+        return {}
+    device = drafter.model.embed_tokens.weight.device
+    return {"anchor_hidden_state": torch.zeros(1, drafter.config.hidden_size, device=device)}
+
+
 @torch.no_grad()
 def packed_draft_logits(
     drafter,
@@ -415,6 +425,7 @@ __all__ = [
     "draft_logits",
     "packed_attention_mask",
     "packed_draft_logits",
+    "timing_state",
     "packed_metadata",
     "register_packed_attention_kernel",
     "resolve_packed_attention_kernel",

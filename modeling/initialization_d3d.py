@@ -66,8 +66,8 @@ def from_autoregressive(
             from (`D3DConfig.shares_target_cache`: query-only layers over the target's cache).
         reads_target_hidden_state (`bool`, defaults to `False`):
             With `shares_target_cache`: the anchor also reads the target's last hidden state before it
-            (`D3DConfig.reads_target_hidden_state`, EAGLE's feature); its projection starts at zero, so the new
-            drafter drafts exactly as one without it.
+            (`D3DConfig.reads_target_hidden_state`, EAGLE's feature); its projection starts as `hidden_state_init`
+            says.
         hidden_state_init (`str`, defaults to `"zeros"`):
             How `hidden_state_proj` starts with `reads_target_hidden_state`: `"zeros"` (the drafter starts as one
             without the feature; Adam then grows the projection by about the learning rate per step), or
@@ -174,13 +174,11 @@ def from_autoregressive(
     with torch.no_grad():
         if drafter.model.mask_embedding is not None:
             drafter.model.mask_embedding.weight.copy_(ref.float().mean(dim=0).to(ref.dtype))
-        if drafter.model.hidden_state_proj is not None:
-            weight = drafter.model.hidden_state_proj.weight
-            weight.zero_()  # "zeros": starts as a drafter without the feature
-            if hidden_state_init == "identity":  # the normed state (norm sqrt(H)) at the embeddings' mean norm
-                scale = ref.float().norm(dim=-1).mean() / config.hidden_size**0.5
-                weight.copy_(torch.eye(config.hidden_size, dtype=torch.float32).mul(scale).to(weight.dtype))
-            drafter.model.hidden_state_norm.weight.fill_(1.0)
+        # "zeros" is how the model creates the projection (`create_hidden_state_input`)
+        if drafter.model.hidden_state_proj is not None and hidden_state_init == "identity":
+            weight = drafter.model.hidden_state_proj.weight  # the normed state (norm sqrt(H)) at the embeddings' norm
+            scale = ref.float().norm(dim=-1).mean() / config.hidden_size**0.5
+            weight.copy_(torch.eye(config.hidden_size, dtype=torch.float32).mul(scale).to(weight.dtype))
     return drafter.eval()
 
 

@@ -181,3 +181,17 @@ def test_identity_init_brings_the_state_in_at_the_embeddings_scale(target):
     torch.testing.assert_close(projected.norm(), embeddings.norm(dim=-1).mean(), rtol=1e-3, atol=1e-4)
     with pytest.raises(ValueError, match="'zeros' or 'identity'"):
         _drafter(target, trained=False, hidden_state_init="eye")
+
+
+def test_timed_passes_and_calibration_run_with_a_zero_state(target):
+    """Cost timing and the adaptive engine's calibration time passes of such a drafter with a zero state
+    (`drafting_d3d.timing_state`), and the adaptive call stays lossless."""
+    from d3d_hf.costmodel import measure_drafter
+
+    drafter = _drafter(target)
+    timed = measure_drafter(drafter, prefix_length=8, extra_tokens=[0], block_size=BLOCK, repeats=1, warmup=0)
+    assert list(timed) == [BLOCK] and timed[BLOCK] > 0
+    x = random_prompt(6, seed=2)
+    kwargs = dict(attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False)
+    got = target.generate(x, assistant_model=drafter, d3d_num_drafts="adaptive", **kwargs)
+    assert torch.equal(got, target.generate(x, **kwargs))

@@ -51,6 +51,8 @@ from typing import Any
 
 import torch
 
+from .modeling.drafting_d3d import timing_state
+
 DEFAULT_VERIFY_LENGTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 DEFAULT_EXTRA_TOKENS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 48)
 DEFAULT_PACKED_HYPOTHESES = (1, 2, 4, 8, 16)
@@ -236,16 +238,6 @@ def measure_target(
             lambda ids=ids: target(input_ids=ids, cache=cache, use_cache=True), repeats, warmup, crop
         )
     return out
-
-
-def timing_state(drafter) -> dict:
-    """Keyword arguments that let `draft_logits` run a timed pass of any drafter: for one that reads the target's
-    hidden state (`D3DConfig.reads_target_hidden_state`), a zero `anchor_hidden_state` (its pass costs the same);
-    else none."""
-    if not getattr(drafter.config, "reads_target_hidden_state", False):
-        return {}
-    device = drafter.model.embed_tokens.weight.device
-    return {"anchor_hidden_state": torch.zeros(1, drafter.config.hidden_size, device=device)}
 
 
 @torch.inference_mode()
@@ -460,5 +452,4 @@ __all__ = [
     "measure_packed_pass",
     "measure_target",
     "predict_speedups",
-    "timing_state",
 ]
