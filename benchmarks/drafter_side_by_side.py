@@ -12,7 +12,9 @@ For each drafter (shipped names or folders), in one session on an otherwise idle
 
 With `--tree-budget N`, step 2 also measures tau with a tree of `N` draft nodes from the same pass (`compare_tau.py
 --tree-budget`; at `N = B - 1` the verification has a full chain's rows) and step 3 adds the `d3d-tree` method with
-that budget.
+that budget. `--tree-budget adaptive` lets the engine size each tree by its calibrated costs
+(`d3d_tree_budget="adaptive"`): the bench runs it, and tau keeps the chain only (an adaptive tree's size follows the
+machine's costs, so it is not a drafter-alone measure).
 
 Every step writes a file under `--out` and is skipped when that file exists, so a stopped run resumes; `--render`
 only rebuilds `--out`/README.md from what is there.
@@ -48,6 +50,20 @@ def _run(command: list[str]) -> None:
     subprocess.run(command, check=True, cwd=ROOT)
 
 
+def tree_budget(value: str) -> int | str:
+    """`--tree-budget`: a node count >= 1 or "adaptive"."""
+    if value == "adaptive":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"--tree-budget takes a node count >= 1 or 'adaptive', got {value!r}")
+    return int(value)
+
+
+def _tau_trees(args) -> tuple[int | None, ...]:
+    """The verifications tau is measured with: the chain, and a tree of `--tree-budget` nodes when it is a count."""
+    return (None, args.tree_budget) if isinstance(args.tree_budget, int) else (None,)
+
+
 def measure(args) -> None:
     out = Path(args.out)
     steps = set(args.steps.split(","))
@@ -59,7 +75,7 @@ def measure(args) -> None:
     if "tau" in steps:
         for drafter in args.drafters:
             for name in SETS:
-                for tree in (None, args.tree_budget) if args.tree_budget else (None,):
+                for tree in _tau_trees(args):
                     path = out / "tau" / f"{slug(drafter)}-{name}{'' if tree is None else f'-tree{tree}'}.json"
                     if not path.is_file():
                         path.parent.mkdir(parents=True, exist_ok=True)
@@ -93,7 +109,7 @@ def render(args) -> str:
         lines += [f"CPU: {costs['cpu']}; draft pass in one-row target steps ({costs['dtype']}, {costs['threads']} "
                   f"threads; target: one row {costs['target_ms']['1']:.1f} ms, 16 rows "
                   f"{costs['target_ms']['16'] / costs['target_ms']['1']:.2f} steps).", ""]  # fmt: skip
-    trees = (None, args.tree_budget) if args.tree_budget else (None,)
+    trees = _tau_trees(args)
     header = "| drafter | layers, head rows | pass 1 / 8 / 16 rows (steps) | "
     header += " | ".join(
         f"tau {n} {o}-{o + k - 1}" + ("" if tree is None else f", tree of {tree}")
@@ -117,8 +133,8 @@ def render(args) -> str:
             else:
                 cells.append("-")
         lines.append(f"| {drafter} | {shape} | {passes} | " + " | ".join(cells) + " |")
-    lines += ["", "| drafter | set | dtype | pld | d3d (tau) | d3d-tree (tau) | engine-lookup | d3d / engine-lookup | "
-              "d3d / pld | d3d-tree / engine-lookup | drafter rounds | lossless (d3d) |",
+    lines += ["", "| drafter | set | dtype | pld | d3d (tau) | d3d-tree (tau; budget) | engine-lookup | "
+              "d3d / engine-lookup | d3d / pld | d3d-tree / engine-lookup | drafter rounds | lossless (d3d) |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for dtype in args.dtypes.split(","):
         for spec in args.sets.split(","):
@@ -127,14 +143,16 @@ def render(args) -> str:
                 path = out / "bench" / slug(drafter) / f"{name}_{dtype}" / "results.json"
                 if not path.is_file():
                     continue
-                s = json.loads(path.read_text())["summary"]
+                found = json.loads(path.read_text())
+                s = found["summary"]
+                budget = found.get("method_settings", {}).get("d3d-tree", {}).get("tree_budget", "?")
                 sources = s["d3d"].get("round_sources", {})
                 rounds = f"{sources.get('drafter', 0)} of {sum(sources.values())}" if sources else "-"
                 tree, lookup = s.get("d3d-tree"), s["engine-lookup"]["speedup"]
                 lines.append(
                     f"| {drafter} | {name} {offset}+{limit} | {dtype} | {s['pld']['speedup']:.2f}x | "
                     f"{s['d3d']['speedup']:.2f}x ({s['d3d']['tau']:.2f}) | "
-                    + (f"{tree['speedup']:.2f}x ({tree['tau']:.2f}) | " if tree else "- | ")
+                    + (f"{tree['speedup']:.2f}x ({tree['tau']:.2f}; {budget}) | " if tree else "- | ")
                     + f"{lookup:.2f}x | {s['d3d']['speedup'] / lookup:.2f} | "
                     f"{s['d3d']['speedup'] / s['pld']['speedup']:.2f} | "
                     + (f"{tree['speedup'] / lookup:.2f} | " if tree else "- | ")
@@ -157,7 +175,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15, help="of the cost timing")
     parser.add_argument("--tau-limit", type=int, help="fewer tau prompts per set than learning_curve.SETS")
     parser.add_argument("--steps", default="cost,tau,bench", help="which of cost,tau,bench to run")
-    parser.add_argument("--tree-budget", type=int, help="also tau with a tree of N drafts, and d3d-tree in the bench")
+    parser.add_argument(
+        "--tree-budget",
+        type=tree_budget,
+        help="N: also tau with a tree of N drafts, and d3d-tree in the bench; adaptive: bench only",
+    )
     parser.add_argument("--render", action="store_true", help="only rebuild README.md")
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
