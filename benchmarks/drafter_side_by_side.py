@@ -102,7 +102,8 @@ def render(args) -> str:
     out = Path(args.out)
     lines = [f"Drafters side by side; command: `python benchmarks/drafter_side_by_side.py --drafters "
              f"{' '.join(args.drafters)} --out {args.out} --dtypes {args.dtypes} --sets {args.sets} "
-             f"--threads {args.threads}`", ""]  # fmt: skip
+             f"--threads {args.threads}"
+             + (f" --tree-budget {args.tree_budget}`" if args.tree_budget else "`"), ""]  # fmt: skip
     cost = out / f"cost_{args.cost_dtype}.json"
     costs = json.loads(cost.read_text()) if cost.is_file() else None
     if costs:
