@@ -5,6 +5,8 @@ refused with a message."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from _tiny import random_prompt, target_cache_batch, target_cache_block_logits, tiny_target
@@ -182,3 +184,50 @@ def test_tools_without_the_target_refuse_it_and_the_card_says_so(target, tmp_pat
     assert "`shares_target_cache`" in (tmp_path / "drafter" / "README.md").read_text()
     loaded = D3DForDiffusionDrafting.from_pretrained(tmp_path / "drafter")
     assert loaded.config.shares_target_cache and loaded.config.source_layer_ids == [1, 3]
+
+
+def test_train_command_runs_the_target_forward_in_target_dtype(tmp_path, monkeypatch):
+    """`--target_dtype bfloat16`: the drafter is made from the float32 target and trains in float32 (its weights and
+    the cache it reads), while the target's no-grad forward of every batch runs in bfloat16; a drafter on the
+    target's own weights refuses it."""
+    from _tiny import tiny_tokenizer
+    from datasets import Dataset
+
+    import d3d_hf.targets
+    from d3d_hf.training import D3DTrainingConfig, D3DTrainScriptArguments, train_drafter, trainer
+
+    own = tiny_target("llama", seed=4, num_layers=4, sharpen=10.0)
+    rows = [
+        {"prompt_ids": random_prompt(5, seed=s)[0].tolist(), "response_ids": random_prompt(12, seed=s + 50)[0].tolist()}
+        for s in range(6)
+    ]
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "data"))
+    monkeypatch.setattr(d3d_hf.targets, "load_target", lambda name, dtype="float32": (own, tiny_tokenizer()))
+    forwards = []
+    real = trainer.target_cache_losses
+
+    def recording(drafter, inputs, **kwargs):
+        forwards.append((next(kwargs["target"].parameters()).dtype, next(drafter.parameters()).dtype))
+        return real(drafter, inputs, **kwargs)
+
+    monkeypatch.setattr(trainer, "target_cache_losses", recording)
+    config = D3DTrainingConfig(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=2,
+                               train_mode="full", report_to="none", use_cpu=True, learning_rate=1e-3,
+                               save_strategy="no", anchors_per_sequence=2, ar_loss_weight=0.0, distill_weight=1.0,
+                               tau_eval_steps=2, tau_eval_max_new_tokens=6)  # fmt: skip
+    script = D3DTrainScriptArguments(target="tiny", data=str(tmp_path / "data"), tau_holdout=1, layer_ids="1,3",
+                                     init_block_size=BLOCK, shares_target_weights=False, shares_target_cache=True,
+                                     target_dtype="bfloat16")  # fmt: skip
+    drafter = train_drafter(script, config)
+    assert forwards == [(torch.bfloat16, torch.float32)] * 2
+    assert all(p.dtype == torch.float32 for p in drafter.parameters())
+    state = json.loads((tmp_path / "run" / "trainer_state.json").read_text())
+    assert [entry["tau"] >= 1 for entry in state["log_history"] if "tau" in entry] == [True]  # the engine mixes dtypes
+    with pytest.raises(ValueError, match="--target_dtype"):
+        D3DTrainScriptArguments(target="tiny", data="x", target_dtype="int8")
+    own.to(torch.float32)
+    shared = D3DTrainScriptArguments(target="tiny", data=str(tmp_path / "data"), tau_holdout=1,
+                                     init_block_size=BLOCK, target_dtype="bfloat16")  # fmt: skip
+    with pytest.raises(ValueError, match="shares the target's weights"):
+        train_drafter(shared, D3DTrainingConfig(output_dir=str(tmp_path / "shared"), max_steps=1, use_cpu=True,
+                                                report_to="none"))  # fmt: skip
