@@ -64,3 +64,19 @@ def test_record_refuses_a_folder_it_cannot_read(curve, tmp_path):
     (tmp_path / "adapter-r8-5").mkdir()
     with pytest.raises(ValueError, match="trainer_state"):
         curve.record_run(tmp_path / "adapter-r8-5", tmp_path, "cpu")
+
+
+def test_every_preset_is_a_valid_train_command(curve, tmp_path):
+    """Each capacity preset parses with `d3d-hf train`'s own parser into the settings it names (a misspelt flag or
+    value would otherwise surface only when a lease or an hour-long run starts)."""
+    from trl import TrlParser
+
+    from d3d_hf.training import D3DTrainingConfig, D3DTrainScriptArguments
+
+    parser = TrlParser((D3DTrainScriptArguments, D3DTrainingConfig))
+    for capacity, flags in curve.CAPACITIES.items():
+        command = curve.train_command(capacity, 300, tmp_path / capacity, data="data", epochs=2)
+        script, config = parser.parse_args_and_config(args=command[command.index("train") + 1 :])
+        assert config.max_steps == 150 and script.max_samples == 300, capacity
+        if "--target_dtype" in flags:
+            assert script.target_dtype == flags[flags.index("--target_dtype") + 1], capacity
