@@ -284,3 +284,22 @@ def test_settings_count_prompts_by_source(tiny, tmp_path):
     generate_dataset(model, tok, prompts, tmp_path, max_new_tokens=2, progress=False)
     counts = json.loads((tmp_path / SETTINGS_FILE).read_text())["prompt_counts"]
     assert counts == {"chat": 1, "file": 1, "magpie": 1, "math-extra": 1, "stdlib": 1, "stdlib_kinds": {"explain": 1}}
+
+
+def test_training_reads_a_data_folder_in_shard_order_finished_or_not(tiny, tmp_path):
+    """`d3d-hf train --data FOLDER` reads the same rows in the same order before and after the run writes `dataset/`
+    (prompt order, which length-sorted batches change): the shards' order, which is what is committed, so
+    `--max_samples N` prefixes and held-out rows do not depend on whether a machine finished the run."""
+    import shutil
+
+    from d3d_hf.data import load_generated_rows
+    from d3d_hf.training import load_training_dataset
+
+    model, tok = tiny
+    prompts = _prompts(8)
+    generate_dataset(model, tok, prompts, tmp_path / "out", max_new_tokens=4, batch_size=2, progress=False)
+    in_shards = [row["id"] for row in load_generated_rows(tmp_path / "out")]
+    assert sorted(in_shards) == sorted(p.id for p in prompts) and in_shards != [p.id for p in prompts]
+    finished = load_training_dataset(str(tmp_path / "out"))["id"]
+    shutil.rmtree(tmp_path / "out" / "dataset")
+    assert finished == load_training_dataset(str(tmp_path / "out"))["id"] == in_shards

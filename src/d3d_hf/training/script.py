@@ -138,9 +138,14 @@ class D3DTrainScriptArguments:
 
 
 def load_training_dataset(path: str):
-    """Loads training rows: a `datasets.save_to_disk` folder (`path` or `path/dataset`, as `d3d-hf data` writes), the
-    shards of a `d3d-hf data` folder without a `dataset/` (a run in progress, or data committed as shards), or
-    JSON / JSONL files (`path` a file, a glob, or comma-separated files) through `datasets.load_dataset("json")`.
+    """Loads training rows: the shards of a `d3d-hf data` folder, a `datasets.save_to_disk` folder (`path` or
+    `path/dataset`), or JSON / JSONL files (`path` a file, a glob, or comma-separated files) through
+    `datasets.load_dataset("json")`.
+
+    A `d3d-hf data` folder is always read from its shards, in shard order, whether or not its run has finished and
+    written `dataset/` (which lists the requested prompts in prompt order, another order): the shards are what is
+    committed, so `--max_samples N` and `--tau_holdout` name the same rows on every machine, before and after the
+    run ends.
 
     Returns:
         `datasets.Dataset` (the `train` split of a saved `DatasetDict`).
@@ -153,6 +158,8 @@ def load_training_dataset(path: str):
 
     from ..data import SHARDS_DIR, load_generated_rows
 
+    if (Path(path) / SHARDS_DIR).is_dir() and any((Path(path) / SHARDS_DIR).glob("shard-*")):
+        return Dataset.from_list(load_generated_rows(path))  # finished, in progress, or committed as shards only
     for candidate in (Path(path) / "dataset", Path(path)):
         if (candidate / "dataset_info.json").exists() or (candidate / "state.json").exists():
             dataset = load_from_disk(str(candidate))
@@ -161,8 +168,6 @@ def load_training_dataset(path: str):
         else:
             continue
         return dataset["train"] if isinstance(dataset, DatasetDict) else dataset
-    if (Path(path) / SHARDS_DIR).is_dir() and any((Path(path) / SHARDS_DIR).glob("shard-*")):
-        return Dataset.from_list(load_generated_rows(path))  # a run in progress, or committed as shards only
     files = sorted(f for part in path.split(",") for f in glob.glob(part.strip()) if Path(f).is_file())
     if files and all(f.endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz")) for f in files):
         # `datasets`' JSON reader fails on an empty file with a bare StopIteration: skip those, refuse if all are
