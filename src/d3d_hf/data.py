@@ -134,8 +134,9 @@ def load_generated_rows(output_dir: str | os.PathLike, tokenizer=None) -> list[d
     """Every row in the shards of a :func:`generate_dataset` folder, finished or not, in shard order.
 
     Rows are ``{"id", "messages", "prompt_ids", "response_ids"}`` plus ``response`` (the decoded text) when the shard
-    stored it (JSONL) or ``tokenizer`` is given. This is how training reads a run still in progress or committed
-    as shards only (the ``dataset/`` folder is written at the end of a run and is not committed).
+    stored it (JSONL) or ``tokenizer`` is given. This is how training reads a ``d3d-hf data`` folder, finished or
+    not: the ``dataset/`` folder, written at the end of a run and not committed, lists the requested prompts in
+    prompt order instead.
 
     Raises:
         FileNotFoundError: ``output_dir`` has no ``shards/`` folder with shards in it.
