@@ -216,7 +216,8 @@ def render_measured(results: Path) -> str:
                 found = json.loads(path.read_text())
                 tau, lossless = next(iter(found["tau"].values())), next(iter(found["lossless"].values()))
                 cells.append(f"{tau:.2f} ({lossless:.0%})")
-                points.setdefault((run["capacity"], set_name), []).append((run["samples_seen"], tau))
+                line = run["capacity"] + (f" ({run['subset']} rows)" if run.get("subset") else "")
+                points.setdefault((line, set_name), []).append((run["samples_seen"], tau))
             else:
                 cells.append("-")
         loss = run["final_loss"]
@@ -245,16 +246,23 @@ def render_measured(results: Path) -> str:
 def record_run(folder: Path, results: Path, device: str) -> dict:
     """Adds the finished (or stopped) learning-curve run in `folder` (named `<capacity>-<rows>`, as `train_command`
     names them) to `results`/runs.json, read from its `trainer_state.json`: steps, batch, samples seen, whether it
-    finished its schedule, the last logged losses and the wall time; `device` says where it trained. Returns the
-    entry.
+    finished its schedule, the last logged losses and the wall time; `device` says where it trained. A folder named
+    `<capacity>-<subset>-<rows>` (e.g. `adapter-r8-magpie-500`, trained on rows of one kind from
+    `benchmarks/data_subset.py`) records `subset` too, and its points get a line of their own. Returns the entry.
 
     Raises:
         ValueError: if the folder's name does not end in `-<rows>` after a known capacity, or it holds no trainer state.
     """
     name = folder.name
-    capacity, _, rows = name.rpartition("-")
-    if capacity not in CAPACITIES or not rows.isdigit():
-        raise ValueError(f"{folder}: expected a folder named <capacity>-<rows> with a capacity of {sorted(CAPACITIES)}")
+    head, _, rows = name.rpartition("-")
+    # the longest preset the name starts with; what lies between it and the rows names a data subset (`-magpie-`)
+    capacity = max((c for c in CAPACITIES if head == c or head.startswith(c + "-")), key=len, default=None)
+    if capacity is None or not rows.isdigit():
+        raise ValueError(
+            f"{folder}: expected a folder named <capacity>-<rows> or <capacity>-<subset>-<rows> with a capacity of "
+            f"{sorted(CAPACITIES)}"
+        )
+    subset = head[len(capacity) + 1 :]
     state_path = folder / "trainer_state.json"
     if not state_path.is_file():
         raise ValueError(f"{folder} holds no trainer_state.json: the run has not saved yet.")
@@ -275,6 +283,7 @@ def record_run(folder: Path, results: Path, device: str) -> dict:
         },
         "train_runtime_s": runtime,
         "device": device,
+        **({"subset": subset} if subset else {}),
     }
     path = results / "runs.json"
     runs = json.loads(path.read_text()) if path.is_file() else {}

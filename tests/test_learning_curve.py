@@ -56,6 +56,23 @@ def test_record_adds_the_run_and_the_table_shows_it(curve, tmp_path):
     assert rows[0].startswith("| adapter-r8-300 | 300 | 37 | 592 | 2.12 (100%)")  # fewest samples first
     stopped = curve.record_run(_run(tmp_path, "adapter-r8-mlp-300", 20, 37), results, "cpu")
     assert not stopped["finished"] and stopped["samples_seen"] == 320
+    assert stopped["capacity"] == "adapter-r8-mlp" and "subset" not in stopped  # the longest preset, not adapter-r8
+
+
+def test_record_reads_a_data_subset_from_the_folder_name(curve, tmp_path, monkeypatch):
+    results = tmp_path / "results"
+    results.mkdir()
+    entry = curve.record_run(_run(tmp_path, "adapter-r8-magpie-500", 62, 62), results, "cpu")
+    assert (entry["capacity"], entry["subset"], entry["rows"]) == ("adapter-r8", "magpie", 500)
+    plain = curve.record_run(_run(tmp_path, "adapter-r8-500", 62, 62), results, "cpu")
+    assert "subset" not in plain
+    for name in ("adapter-r8-magpie-500", "adapter-r8-500"):
+        for set_name in curve.SETS:
+            (results / f"{name}-{set_name}.json").write_text(json.dumps({"tau": {"x": 2.0}, "lossless": {"x": 1.0}}))
+    drawn = {}
+    monkeypatch.setattr(curve, "_plot", lambda series, references, xlabel, path: drawn.update(series))
+    curve.render_measured(results)
+    assert {"adapter-r8 humaneval", "adapter-r8 (magpie rows) humaneval"} <= set(drawn)  # a line each
 
 
 def test_record_refuses_a_folder_it_cannot_read(curve, tmp_path):
