@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 
@@ -107,3 +108,15 @@ def _calibration_cache(monkeypatch, tmp_path_factory):
     prompt lookup on, drafter-invariant sampling); a test that needs a fixed plan (a known round structure, a draft
     pass every round) pins it with `d3d_num_drafts` and says why."""
     monkeypatch.setenv("D3D_HF_CACHE", str(tmp_path_factory.getbasetemp() / "d3d_hf_cache"))
+
+
+def load_benchmark(name: str):
+    """The module of `benchmarks/<name>.py` (benchmark scripts are not a package), for tests of their helpers."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def subset():
-    spec = importlib.util.spec_from_file_location("data_subset", ROOT / "benchmarks" / "data_subset.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("data_subset")
 
 
 ROWS = [
