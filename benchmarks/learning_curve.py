@@ -43,6 +43,11 @@ CAPACITIES: dict[str, list[str]] = {
     "adapter-r8-full2": ["--train_mode", "block_adapter", "--block_lora_rank", "8", "--block_lora_alpha", "16",
                          "--block_lora_full_layers", "2", "--learning_rate", "5e-4", "--ar_loss_weight", "0",
                          "--distill_weight", "1.0", "--dtype", "bfloat16"],
+    # rank 8 at four times the learning rate: a drafter that is not yet fitting even its training rows at ~1,000
+    # samples (in-sample tau equals held-out tau, capacity-500-cpu) may be optimisation-limited rather than data-limited
+    "adapter-r8-lr2e-3": ["--train_mode", "block_adapter", "--block_lora_rank", "8", "--block_lora_alpha", "16",
+                          "--learning_rate", "2e-3", "--ar_loss_weight", "0", "--distill_weight", "1.0",
+                          "--dtype", "bfloat16"],
     "adapter-r32": ["--train_mode", "block_adapter", "--block_lora_rank", "32", "--block_lora_alpha", "64",
                     "--learning_rate", "5e-4", "--ar_loss_weight", "0", "--distill_weight", "1.0",
                     "--dtype", "bfloat16"],
