@@ -92,5 +92,9 @@ def test_every_preset_is_a_valid_train_command(curve, tmp_path):
         command = curve.train_command(capacity, 300, tmp_path / capacity, data="data", epochs=2)
         script, config = parser.parse_args_and_config(args=command[command.index("train") + 1 :])
         assert config.max_steps == 150 and script.max_samples == 300, capacity
+        assert config.learning_rate == float(flags[flags.index("--learning_rate") + 1]), capacity
         if "--target_dtype" in flags:
             assert script.target_dtype == flags[flags.index("--target_dtype") + 1], capacity
+    assert curve.CAPACITIES["adapter-r32-lr2e-3"] == [
+        "2e-3" if flag == "5e-4" else flag for flag in curve.CAPACITIES["adapter-r32"]
+    ]
