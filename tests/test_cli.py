@@ -232,6 +232,11 @@ def test_other_values_are_checked_before_loading(tiny_folders, no_model_loads, c
         (["--threads", "0"], "--threads must be a whole number >= 1"),
         (["--dtype", "float8"], "--dtype must be float32, bfloat16 or float16"),
         (["--tau_eval_steps", "5", "--tau_holdout", "0"], "pass --tau_holdout 1 or more"),
+        (["--drafter", "d", "--num_layers", "4"], "--num_layers shape only a new drafter"),
+        (
+            ["--drafter", "d", "--shares_target_weights", "false", "--draft_vocab_size", "8"],
+            "--shares_target_weights, --draft_vocab_size shape only a new drafter",
+        ),
     ],
 )
 def test_train_values_are_checked_before_loading(flags, message, tmp_path, no_model_loads, capsys):

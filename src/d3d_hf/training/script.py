@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import glob
 import gzip
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -98,6 +98,18 @@ class D3DTrainScriptArguments:
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads."})
     overwrite: bool = field(default=False, metadata={"help": "Allow a non-empty output_dir without resuming."})
 
+    # the flags that only shape a drafter initialised from the target: refused, unless at their defaults, with `drafter`
+    _NEW_DRAFTER_FLAGS = (
+        "num_layers",
+        "layer_ids",
+        "init_block_size",
+        "shares_target_weights",
+        "draft_vocab_size",
+        "shares_target_cache",
+        "reads_target_hidden_state",
+        "hidden_state_init",
+    )
+
     def __post_init__(self):
         """Checks the values before anything loads.
 
@@ -105,7 +117,8 @@ class D3DTrainScriptArguments:
             ValueError: naming the flag, for `num_layers` or `threads` below 1, `init_block_size` below 2 (training
                 needs a mask), `tau_holdout` below 0, a `dtype` or `target_dtype` other than float32, bfloat16,
                 float16, a `hidden_state_init` other than zeros or identity, or `reads_target_hidden_state` without
-                `shares_target_cache`.
+                `shares_target_cache`; or, with `drafter`, a flag that only shapes a new drafter (`_NEW_DRAFTER_FLAGS`:
+                `num_layers`, `layer_ids`, `init_block_size`, ...) set to other than its default.
         """
         if self.hidden_state_init not in ("zeros", "identity"):
             raise ValueError(f"--hidden_state_init must be zeros or identity, got {self.hidden_state_init!r}.")
@@ -136,6 +149,18 @@ class D3DTrainScriptArguments:
             value = getattr(self, name)
             if value is not None and value not in ("float32", "bfloat16", "float16"):
                 raise ValueError(f"--{name} must be float32, bfloat16 or float16, got {value!r}.")
+        if self.drafter:
+            new_drafter_flags = [
+                f"--{f.name}"
+                for f in fields(self)
+                if f.name in self._NEW_DRAFTER_FLAGS and getattr(self, f.name) != f.default
+            ]
+            if new_drafter_flags:
+                raise ValueError(
+                    f"--drafter {self.drafter} trains a saved drafter, whose shape comes with it; "
+                    f"{', '.join(new_drafter_flags)} shape only a new drafter initialised from the target: drop them, "
+                    "or drop --drafter to initialise a new one."
+                )
 
 
 def load_training_dataset(path: str):
