@@ -9,6 +9,7 @@ from transformers import AutoModel
 
 from d3d_hf import D3DForDiffusionDrafting
 from d3d_hf.pruning import (
+    expand_block_adapters,
     layer_subset,
     offline_acceptance,
     plot_pruning_path,
@@ -298,6 +299,50 @@ def test_truncate_block_adapters_errors():
         with pytest.raises(ValueError, match=r"whole number in \[1, 4\]"):
             truncate_block_adapters(drafter, bad)
     assert drafter.config.block_lora_rank == 4
+
+
+def test_expanded_adapters_draft_the_same_and_train_at_the_new_rank(tmp_path):
+    """Growing the rank keeps every update `s B A` (so the same drafts), adds rows that train, saves and reloads."""
+    target = tiny_target()
+    drafter = _adapted(target, rank=4)
+    before = _updates(drafter)
+    ids = torch.tensor([_prompts(1)[0]])
+    masked = torch.zeros_like(ids, dtype=torch.bool)
+    masked[:, -3:] = True
+    with torch.no_grad():
+        logits = drafter(ids, masked_positions=masked).logits
+    assert expand_block_adapters(drafter, 12, generator=torch.Generator().manual_seed(0)) is drafter
+    assert drafter.config.block_lora_rank == 12
+    for name, update in _updates(drafter).items():
+        module = drafter.get_submodule(name)
+        assert module.lora_A.shape[0] == 12 and module.lora_B.shape[1] == 12 and module.lora_scaling == 12.0 / 12
+        assert module.lora_A[4:].abs().sum() > 0 and module.lora_B[:, 4:].abs().sum() == 0
+        torch.testing.assert_close(update, before[name], rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(drafter(ids, masked_positions=masked).logits, logits, rtol=1e-5, atol=1e-5)
+    # the new columns of B get a gradient (their rows of A are not zero), so the added rank can learn
+    drafter(ids, masked_positions=masked).logits.square().mean().backward()
+    module = drafter.get_submodule(next(iter(before)))
+    assert module.lora_B.grad[:, 4:].abs().sum() > 0
+    drafter.zero_grad()
+    drafter.save_pretrained(tmp_path / "r12")
+    loaded = D3DForDiffusionDrafting.from_pretrained(tmp_path / "r12")
+    assert loaded.config.block_lora_rank == 12
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=loaded, max_new_tokens=12,
+                          do_sample=False)
+    assert torch.equal(out, target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                            do_sample=False))
+
+
+def test_expand_block_adapters_errors():
+    target = tiny_target()
+    with pytest.raises(ValueError, match="no block adapters"):
+        expand_block_adapters(D3DForDiffusionDrafting.from_autoregressive(target, block_size=4), 8)
+    drafter = _adapted(target, rank=4)
+    for bad in (4, 3, 8.0, True):
+        with pytest.raises(ValueError, match="whole number above 4"):
+            expand_block_adapters(drafter, bad)
+    assert drafter.config.block_lora_rank == 4 and drafter.model.layers[0].mlp.up_proj.lora_A.shape[0] == 4
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -470,3 +470,36 @@ def test_adapter_folder_names_a_base_drafter_that_has_a_folder(target, conversat
     assert not (tmp_path / "adapter" / "base_drafter").exists()
     monkeypatch.chdir(tmp_path / "run")
     _assert_lossless(target, load_drafter(str(tmp_path / "adapter")))
+
+
+def test_the_trainer_grows_a_drafters_adapters_to_a_higher_rank(target, conversations, tmp_path):
+    """`block_lora_rank` above a drafter's own adapter rank grows them first (a warm start with more capacity):
+    the drafts are unchanged before the first step, then every factor trains; unset keeps the rank; lower is refused."""
+    drafter = _drafter(target)
+    drafter.add_block_adapter(2, alpha=4.0)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    ids = random_prompt(6, seed=5)
+    masked = torch.zeros_like(ids, dtype=torch.bool)
+    masked[:, -3:] = True
+    with torch.no_grad():
+        before = drafter(ids, masked_positions=masked).logits
+    rows = Dataset.from_list(list(conversations)[:8])
+    with pytest.raises(ValueError, match=r"`block_lora_rank=1` is below the drafter's adapter rank \(2\)"):
+        D3DTrainer(drafter, _config(tmp_path / "low", block_lora_rank=1), train_dataset=rows,
+                   processing_class=_tokenizer())
+    kept = D3DTrainer(drafter, _config(tmp_path / "own", block_lora_rank=None), train_dataset=rows,
+                      processing_class=_tokenizer())
+    assert kept.model.config.block_lora_rank == 2
+    trainer = D3DTrainer(drafter, _config(tmp_path / "grow", max_steps=2, block_lora_rank=6),
+                         train_dataset=conversations, processing_class=_tokenizer())
+    up = trainer.model.model.layers[0].mlp.up_proj
+    assert trainer.model.config.block_lora_rank == 6 and up.lora_A.shape[0] == 6 and up.lora_B.shape[1] == 6
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.model(ids, masked_positions=masked).logits, before, rtol=1e-5, atol=1e-5)
+    trained = _assert_trains(trainer)
+    assert any(name.endswith("mlp.up_proj.lora_B") for name in trained)
+    assert up.lora_B[:, 2:].abs().sum() > 0  # the added columns learned
+    _assert_lossless(target, trainer.model)

@@ -262,6 +262,64 @@ def truncate_block_adapters(drafter: D3DForDiffusionDrafting, rank: int) -> dict
     return kept
 
 
+@torch.no_grad()
+def expand_block_adapters(
+    drafter: D3DForDiffusionDrafting, rank: int, generator: torch.Generator | None = None
+) -> D3DForDiffusionDrafting:
+    r"""Raises the rank of every block adapter of `drafter`, in place, to `rank`, without changing what it drafts:
+    the inverse direction of `truncate_block_adapters`, for training a saved drafter further with more capacity (a
+    warm start at a higher rank). Each adapter's update `s B A` (`s = block_lora_alpha / r`) is kept exactly: the
+    `rank - r` new rows of `lora_A` are drawn as for fresh adapters (N(0, 1/in_features)), the new columns of `lora_B`
+    are zeros (as in LoRA's own initialisation, Hu et al. 2021, section 4.1), and the old columns of `lora_B` are
+    multiplied by `s / s'` with `s' = block_lora_alpha / rank`. `config.block_lora_rank` becomes `rank`. The new
+    factors keep the adapters' dtype and device, and their `requires_grad`.
+
+    Args:
+        drafter (`D3DForDiffusionDrafting`): a drafter with block adapters (`config.block_lora_rank > 0`) and no
+            full-rank layers (`block_lora_full_layers = 0`), whose projections are not wrapped (merge or unload a
+            PEFT model first).
+        rank (`int`): the new rank, `> config.block_lora_rank`.
+        generator (`torch.Generator`, *optional*): draws the new rows of `lora_A` (a CPU generator; default: the
+            global one).
+
+    Returns:
+        `D3DForDiffusionDrafting`: `drafter` itself.
+
+    Raises:
+        ValueError: if the drafter has no block adapters or has full-rank layers, `rank` is not a whole number above
+            the adapters' rank, or a projection is wrapped.
+    """
+    from .modeling.adapters_d3d import D3DLinear
+
+    current = drafter.config.block_lora_rank
+    if current <= 0:
+        raise ValueError(
+            "This drafter has no block adapters (`block_lora_rank` is 0): add them with `add_block_adapter`."
+        )
+    if getattr(drafter.config, "block_lora_full_layers", 0):
+        raise ValueError(
+            f"This drafter's last {drafter.config.block_lora_full_layers} layers have full-rank block adapters, whose "
+            "rank cannot grow: train it at its own rank, or lower it first with `truncate_block_adapters`."
+        )
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= current:
+        raise ValueError(f"`rank` must be a whole number above {current} (the adapters' rank), got {rank!r}.")
+    wrapped = [n for n, m in drafter.named_modules() if n.endswith("_proj") and not isinstance(m, D3DLinear)]
+    if wrapped:
+        raise ValueError(f"Projections {wrapped[:3]} are wrapped (e.g. by PEFT): call `merge_and_unload()` first.")
+    scaling = drafter.config.block_lora_alpha / rank
+    for module in (m for m in drafter.modules() if isinstance(m, D3DLinear) and m.rank > 0):
+        lora_a, lora_b = module.lora_A, module.lora_B
+        extra = torch.randn(rank - module.rank, module.in_features, generator=generator) / module.in_features**0.5
+        new_a = torch.cat([lora_a, extra.to(lora_a)])
+        zeros = lora_b.new_zeros(lora_b.shape[0], rank - module.rank)
+        new_b = torch.cat([lora_b * (module.lora_scaling / scaling), zeros], dim=1)
+        module.rank, module.lora_scaling = rank, scaling
+        module.lora_A = nn.Parameter(new_a.contiguous(), requires_grad=lora_a.requires_grad)
+        module.lora_B = nn.Parameter(new_b.contiguous(), requires_grad=lora_b.requires_grad)
+    drafter.config.block_lora_rank = rank
+    return drafter
+
+
 @dataclass
 class PruningStep:
     """One step of the pruning path (step 0 is the unpruned drafter).
@@ -583,4 +641,6 @@ __all__ = [
     "pruned_drafter",
     "target_continuations",
     "trainer_finetune",
+    "expand_block_adapters",
+    "truncate_block_adapters",
 ]

@@ -48,8 +48,10 @@ class D3DTrainingConfig(SFTConfig):
             except, with `freeze_embeddings`, the embeddings and LM head; `"peft"` wraps the drafter with PEFT
             LoRA (`peft_lora_rank`, `peft_lora_alpha`, all seven projections) and trains the mask embedding as a
             module to save.
-        block_lora_rank (`int`, defaults to 32): rank of the block adapters created for `"block_adapter"` when the
-            drafter has none.
+        block_lora_rank (`int`, *optional*): rank of the block adapters created for `"block_adapter"` when the
+            drafter has none; `None` (default) means 32. For a drafter that already has adapters, `None` trains them
+            at their own rank, and a higher rank grows them first without changing what the drafter drafts
+            (`d3d_hf.pruning.expand_block_adapters`: a warm start with more capacity); a lower one is refused.
         block_lora_alpha (`float`, defaults to 64.0): their scaling numerator.
         block_lora_modules (`list[str]`, *optional*): the projections new block adapters act on, a non-empty subset
             of `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj` (a capacity option: e.g.
@@ -97,7 +99,10 @@ class D3DTrainingConfig(SFTConfig):
     )
     max_length: int | None = field(default=512, metadata={"help": "Tokens kept per sequence."})
     train_mode: str = field(default="block_adapter", metadata={"help": "block_adapter | full | peft"})
-    block_lora_rank: int = field(default=32, metadata={"help": "Rank of new block adapters."})
+    block_lora_rank: int | None = field(
+        default=None,
+        metadata={"help": "Rank of new block adapters (default 32); a higher rank than a drafter's own grows them."},
+    )
     block_lora_alpha: float = field(default=64.0, metadata={"help": "Scaling numerator of new block adapters."})
     block_lora_modules: list[str] | None = field(
         default=None,
@@ -171,7 +176,7 @@ class D3DTrainingConfig(SFTConfig):
             "tau_eval_max_new_tokens": (self.tau_eval_max_new_tokens, 1, "64"),
         }
         for name, (value, low, example) in whole.items():
-            if value is None and name in ("block_size", "max_length"):  # the drafter's / no limit
+            if value is None and name in ("block_size", "max_length", "block_lora_rank"):  # the drafter's / no limit
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"`{name}` must be a whole number >= {low}, got {value!r}: set --{name} to {example}.")

@@ -18,6 +18,7 @@ from trl.data_utils import get_dataset_column_names
 from ..drafters import BASE_DRAFTER_DIR, EMBEDDED_BASE
 from ..modeling import D3DForDiffusionDrafting
 from ..prompts import refuse_evaluation_rows
+from ..pruning import expand_block_adapters
 from .callbacks import TauCallback, _EpochCallback
 from .checkpoints import is_complete_checkpoint, last_complete_checkpoint
 from .collator import D3DDataCollator
@@ -211,8 +212,14 @@ class D3DTrainer(SFTTrainer):
                 devices = [model.device.index or 0] if model.device.type == "cuda" else []
                 with torch.random.fork_rng(devices=devices):
                     torch.manual_seed(args.seed)
-                    adapters = (args.block_lora_rank, args.block_lora_alpha, args.block_lora_modules)
+                    adapters = (args.block_lora_rank or 32, args.block_lora_alpha, args.block_lora_modules)
                     model.add_block_adapter(*adapters, full_layers=args.block_lora_full_layers)
+            elif args.block_lora_rank is not None and args.block_lora_rank < model.config.block_lora_rank:
+                raise ValueError(
+                    f"`block_lora_rank={args.block_lora_rank}` is below the drafter's adapter rank "
+                    f"({model.config.block_lora_rank}): leave block_lora_rank unset to train them at their rank, or "
+                    "lower it first with `d3d_hf.pruning.truncate_block_adapters` and train the saved result."
+                )
             elif args.block_lora_modules is not None and args.block_lora_modules != model.config.block_lora_modules:
                 raise ValueError(
                     f"`block_lora_modules={args.block_lora_modules}` asks for new adapters, but the drafter already "
@@ -225,6 +232,10 @@ class D3DTrainer(SFTTrainer):
                     f"already has block adapters with {model.config.block_lora_full_layers} full-rank layers: leave "
                     "block_lora_full_layers at 0 to train those, or start from a drafter without adapters."
                 )
+            if args.block_lora_rank is not None and args.block_lora_rank > model.config.block_lora_rank > 0:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(args.seed)
+                    expand_block_adapters(model, args.block_lora_rank)
             for name, param in model.named_parameters():
                 trainable = model.is_drafter_specific(name)
                 param.requires_grad_(trainable)
