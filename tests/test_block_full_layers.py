@@ -10,7 +10,7 @@ from datasets import Dataset
 from test_training_trl import _assert_lossless, _assert_trains, _config, _drafter, _tokenizer, answers, conversations  # noqa: F401
 
 from d3d_hf import D3DConfig, D3DForDiffusionDrafting
-from d3d_hf.pruning import pruned_drafter, truncate_block_adapters
+from d3d_hf.pruning import expand_block_adapters, pruned_drafter, truncate_block_adapters
 from d3d_hf.training import D3DTrainer
 
 
@@ -157,3 +157,10 @@ def test_resuming_with_other_adapter_shapes_is_refused_before_any_step(target, c
     )  # fmt: skip
     same.train(resume_from_checkpoint=True)
     assert same.state.global_step == 2
+
+
+def test_full_rank_layers_cannot_grow(target):
+    drafter = _full_drafter(target, full_layers=1, rank=2)
+    with pytest.raises(ValueError, match=r"last 1 layers have full-rank block adapters, whose rank cannot grow"):
+        expand_block_adapters(drafter, 4)
+    assert {r for layer in _ranks(drafter)[:-1] for r in layer.values()} == {2}

@@ -257,17 +257,30 @@ def _updates(drafter):
             if isinstance(m, D3DLinear) and m.rank > 0}
 
 
+def _block_logits(drafter, grad=False):
+    """The drafter's logits on a fixed prompt whose last 3 positions are a draft block (where the adapters act)."""
+    ids = torch.tensor([_prompts(1)[0]])
+    masked = torch.zeros_like(ids, dtype=torch.bool)
+    masked[:, -3:] = True
+    with torch.set_grad_enabled(grad):
+        return drafter(ids, masked_positions=masked).logits
+
+
+def _assert_lossless(target, drafter):
+    ids = torch.tensor([_prompts(1)[0]])
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, max_new_tokens=12,
+                          do_sample=False)
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, ref)
+
+
 def test_truncated_adapters_are_the_best_low_rank_approximation(tmp_path):
     target = tiny_target()
     drafter = _adapted(target)
     before = _updates(drafter)
-    ids = torch.tensor([_prompts(1)[0]])
-    masked = torch.zeros_like(ids, dtype=torch.bool)
-    masked[:, -3:] = True
-    with torch.no_grad():
-        full = drafter(ids, masked_positions=masked).logits
-        assert all(v == pytest.approx(1.0) for v in truncate_block_adapters(drafter, 6).values())
-        torch.testing.assert_close(drafter(ids, masked_positions=masked).logits, full, rtol=1e-4, atol=1e-4)
+    full = _block_logits(drafter)
+    assert all(v == pytest.approx(1.0) for v in truncate_block_adapters(drafter, 6).values())
+    torch.testing.assert_close(_block_logits(drafter), full, rtol=1e-4, atol=1e-4)
     kept = truncate_block_adapters(drafter, 2)
     assert drafter.config.block_lora_rank == 2 and set(kept) == set(before)
     for name, update in _updates(drafter).items():
@@ -276,29 +289,13 @@ def test_truncated_adapters_are_the_best_low_rank_approximation(tmp_path):
         best = (u[:, :2] * sigma[:2]) @ vh[:2]  # Eckart-Young
         torch.testing.assert_close(update, best, rtol=1e-4, atol=1e-5)
         assert kept[name] == pytest.approx(float(sigma[:2].square().sum() / sigma.square().sum()), rel=1e-4)
-    with torch.no_grad():
-        low = drafter(ids, masked_positions=masked).logits
+    low = _block_logits(drafter)
     assert not torch.allclose(low, full, atol=1e-3)
     drafter.save_pretrained(tmp_path / "r2")
     loaded = D3DForDiffusionDrafting.from_pretrained(tmp_path / "r2")
     assert loaded.config.block_lora_rank == 2
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(ids, masked_positions=masked).logits, low)
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=loaded, max_new_tokens=12,
-                          do_sample=False)
-    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
-    assert torch.equal(out, ref)
-
-
-def test_truncate_block_adapters_errors():
-    target = tiny_target()
-    with pytest.raises(ValueError, match="no block adapters"):
-        truncate_block_adapters(D3DForDiffusionDrafting.from_autoregressive(target, block_size=4), 2)
-    drafter = _adapted(target, rank=4)
-    for bad in (0, 5, 2.0, True):
-        with pytest.raises(ValueError, match=r"whole number in \[1, 4\]"):
-            truncate_block_adapters(drafter, bad)
-    assert drafter.config.block_lora_rank == 4
+    torch.testing.assert_close(_block_logits(loaded), low)
+    _assert_lossless(target, loaded)
 
 
 def test_expanded_adapters_draft_the_same_and_train_at_the_new_rank(tmp_path):
@@ -306,11 +303,7 @@ def test_expanded_adapters_draft_the_same_and_train_at_the_new_rank(tmp_path):
     target = tiny_target()
     drafter = _adapted(target, rank=4)
     before = _updates(drafter)
-    ids = torch.tensor([_prompts(1)[0]])
-    masked = torch.zeros_like(ids, dtype=torch.bool)
-    masked[:, -3:] = True
-    with torch.no_grad():
-        logits = drafter(ids, masked_positions=masked).logits
+    logits = _block_logits(drafter)
     assert expand_block_adapters(drafter, 12, generator=torch.Generator().manual_seed(0)) is drafter
     assert drafter.config.block_lora_rank == 12
     for name, update in _updates(drafter).items():
@@ -318,30 +311,34 @@ def test_expanded_adapters_draft_the_same_and_train_at_the_new_rank(tmp_path):
         assert module.lora_A.shape[0] == 12 and module.lora_B.shape[1] == 12 and module.lora_scaling == 12.0 / 12
         assert module.lora_A[4:].abs().sum() > 0 and module.lora_B[:, 4:].abs().sum() == 0
         torch.testing.assert_close(update, before[name], rtol=1e-5, atol=1e-6)
-    with torch.no_grad():
-        torch.testing.assert_close(drafter(ids, masked_positions=masked).logits, logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_block_logits(drafter), logits, rtol=1e-5, atol=1e-5)
     # the new columns of B get a gradient (their rows of A are not zero), so the added rank can learn
-    drafter(ids, masked_positions=masked).logits.square().mean().backward()
+    _block_logits(drafter, grad=True).square().mean().backward()
     module = drafter.get_submodule(next(iter(before)))
     assert module.lora_B.grad[:, 4:].abs().sum() > 0
     drafter.zero_grad()
     drafter.save_pretrained(tmp_path / "r12")
     loaded = D3DForDiffusionDrafting.from_pretrained(tmp_path / "r12")
     assert loaded.config.block_lora_rank == 12
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=loaded, max_new_tokens=12,
-                          do_sample=False)
-    assert torch.equal(out, target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
-                                            do_sample=False))
+    _assert_lossless(target, loaded)
 
 
-def test_expand_block_adapters_errors():
+@pytest.mark.parametrize(
+    ("change", "good", "bads", "match"),
+    [
+        (truncate_block_adapters, 2, (0, 5, 2.0, True), r"whole number in \[1, 4\]"),
+        (expand_block_adapters, 8, (4, 3, 8.0, True), r"whole number above 4"),
+    ],
+    ids=["truncate", "expand"],
+)
+def test_rank_changes_refuse_what_they_cannot_do(change, good, bads, match):
     target = tiny_target()
     with pytest.raises(ValueError, match="no block adapters"):
-        expand_block_adapters(D3DForDiffusionDrafting.from_autoregressive(target, block_size=4), 8)
+        change(D3DForDiffusionDrafting.from_autoregressive(target, block_size=4), good)
     drafter = _adapted(target, rank=4)
-    for bad in (4, 3, 8.0, True):
-        with pytest.raises(ValueError, match="whole number above 4"):
-            expand_block_adapters(drafter, bad)
+    for bad in bads:
+        with pytest.raises(ValueError, match=match):
+            change(drafter, bad)
     assert drafter.config.block_lora_rank == 4 and drafter.model.layers[0].mlp.up_proj.lora_A.shape[0] == 4
 
 
