@@ -51,7 +51,8 @@ class D3DTrainingConfig(SFTConfig):
         block_lora_rank (`int`, *optional*): rank of the block adapters created for `"block_adapter"` when the
             drafter has none; `None` (default) means 32. For a drafter that already has adapters, `None` trains them
             at their own rank, and a higher rank grows them first without changing what the drafter drafts
-            (`d3d_hf.pruning.expand_block_adapters`: a warm start with more capacity); a lower one is refused.
+            (`d3d_hf.adapter_rank.expand_block_adapters`: a warm start with more capacity); a lower one is
+            refused.
         block_lora_alpha (`float`, defaults to 64.0): their scaling numerator.
         block_lora_modules (`list[str]`, *optional*): the projections new block adapters act on, a non-empty subset
             of `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj` (a capacity option: e.g.

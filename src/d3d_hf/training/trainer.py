@@ -15,10 +15,10 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from trl import SFTTrainer
 from trl.data_utils import get_dataset_column_names
 
+from ..adapter_rank import expand_block_adapters
 from ..drafters import BASE_DRAFTER_DIR, EMBEDDED_BASE
 from ..modeling import D3DForDiffusionDrafting
 from ..prompts import refuse_evaluation_rows
-from ..pruning import expand_block_adapters
 from .callbacks import TauCallback, _EpochCallback
 from .checkpoints import is_complete_checkpoint, last_complete_checkpoint
 from .collator import D3DDataCollator
