@@ -11,6 +11,25 @@ from .modeling import D3DForDiffusionDrafting
 from .modeling.adapters_d3d import D3DLinear
 
 
+def _adapted_modules(drafter: D3DForDiffusionDrafting, none_message: str) -> list[tuple[str, D3DLinear]]:
+    """The drafter's adapted projections, after refusing a drafter without adapters (`none_message`) or with a
+    projection wrapped by PEFT, whose factors these functions cannot reach."""
+    if drafter.config.block_lora_rank <= 0:
+        raise ValueError(f"This drafter has no block adapters (`block_lora_rank` is 0): {none_message}")
+    wrapped = [n for n, m in drafter.named_modules() if n.endswith("_proj") and not isinstance(m, D3DLinear)]
+    if wrapped:
+        raise ValueError(f"Projections {wrapped[:3]} are wrapped (e.g. by PEFT): call `merge_and_unload()` first.")
+    return [(n, m) for n, m in drafter.named_modules() if isinstance(m, D3DLinear) and m.rank > 0]
+
+
+def _set_factors(module: D3DLinear, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> None:
+    """Replaces `module`'s adapter by `scaling * lora_b @ lora_a`, keeping its dtype and `requires_grad`."""
+    dtype = module.lora_A.dtype
+    module.rank, module.lora_scaling = lora_a.shape[0], scaling
+    module.lora_A = nn.Parameter(lora_a.to(dtype).contiguous(), requires_grad=module.lora_A.requires_grad)
+    module.lora_B = nn.Parameter(lora_b.to(dtype).contiguous(), requires_grad=module.lora_B.requires_grad)
+
+
 @torch.no_grad()
 def truncate_block_adapters(drafter: D3DForDiffusionDrafting, rank: int) -> dict[str, float]:
     r"""Lowers the rank of every block adapter of `drafter`, in place, to `rank`: each adapter's update
@@ -31,21 +50,13 @@ def truncate_block_adapters(drafter: D3DForDiffusionDrafting, rank: int) -> dict
     Raises:
         ValueError: if the drafter has no block adapters, `rank` is out of range, or a projection is wrapped.
     """
+    adapted = _adapted_modules(drafter, "there is no rank to lower.")
     current = drafter.config.block_lora_rank
-    if current <= 0:
-        raise ValueError("This drafter has no block adapters (`block_lora_rank` is 0): there is no rank to lower.")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= current:
         raise ValueError(f"`rank` must be a whole number in [1, {current}] (the adapters' rank), got {rank!r}.")
-    adapted = [(n, m) for n, m in drafter.named_modules() if isinstance(m, D3DLinear) and m.rank > 0]
-    wrapped = [n for n, m in drafter.named_modules() if n.endswith("_proj") and not isinstance(m, D3DLinear)]
-    if wrapped:
-        raise ValueError(
-            f"Projections {wrapped[:3]} are wrapped (e.g. by PEFT): call `merge_and_unload()` first, then truncate."
-        )
     alpha = drafter.config.block_lora_alpha
     kept = {}
     for name, module in adapted:
-        dtype = module.lora_A.dtype
         lora_a, lora_b = module.lora_A.float(), module.lora_B.float() * module.lora_scaling
         q_b, r_b = torch.linalg.qr(lora_b)  # B = Q_b R_b, A^T = Q_a R_a: s B A = Q_b (R_b R_a^T) Q_a^T
         q_a, r_a = torch.linalg.qr(lora_a.t())
@@ -59,9 +70,7 @@ def truncate_block_adapters(drafter: D3DForDiffusionDrafting, rank: int) -> dict
         if k < rank:  # padded with zeros to the drafter's one rank: the same update
             new_b = torch.cat([new_b, new_b.new_zeros(new_b.shape[0], rank - k)], dim=1)
             new_a = torch.cat([new_a, new_a.new_zeros(rank - k, new_a.shape[1])])
-        module.rank, module.lora_scaling = rank, scaling
-        module.lora_A = nn.Parameter(new_a.to(dtype).contiguous(), requires_grad=module.lora_A.requires_grad)
-        module.lora_B = nn.Parameter(new_b.to(dtype).contiguous(), requires_grad=module.lora_B.requires_grad)
+        _set_factors(module, new_a, new_b, scaling)
     drafter.config.block_lora_rank = rank
     drafter.config.block_lora_full_layers = 0  # the full-rank adapters of the last layers were lowered too
     return kept
@@ -94,11 +103,8 @@ def expand_block_adapters(
         ValueError: if the drafter has no block adapters or has full-rank layers, `rank` is not a whole number above
             the adapters' rank, or a projection is wrapped.
     """
+    adapted = _adapted_modules(drafter, "add them with `add_block_adapter`.")
     current = drafter.config.block_lora_rank
-    if current <= 0:
-        raise ValueError(
-            "This drafter has no block adapters (`block_lora_rank` is 0): add them with `add_block_adapter`."
-        )
     if getattr(drafter.config, "block_lora_full_layers", 0):
         raise ValueError(
             f"This drafter's last {drafter.config.block_lora_full_layers} layers have full-rank block adapters, whose "
@@ -106,19 +112,14 @@ def expand_block_adapters(
         )
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= current:
         raise ValueError(f"`rank` must be a whole number above {current} (the adapters' rank), got {rank!r}.")
-    wrapped = [n for n, m in drafter.named_modules() if n.endswith("_proj") and not isinstance(m, D3DLinear)]
-    if wrapped:
-        raise ValueError(f"Projections {wrapped[:3]} are wrapped (e.g. by PEFT): call `merge_and_unload()` first.")
     scaling = drafter.config.block_lora_alpha / rank
-    for module in (m for m in drafter.modules() if isinstance(m, D3DLinear) and m.rank > 0):
+    for _, module in adapted:
         lora_a, lora_b = module.lora_A, module.lora_B
         extra = torch.randn(rank - module.rank, module.in_features, generator=generator) / module.in_features**0.5
         new_a = torch.cat([lora_a, extra.to(lora_a)])
         zeros = lora_b.new_zeros(lora_b.shape[0], rank - module.rank)
         new_b = torch.cat([lora_b * (module.lora_scaling / scaling), zeros], dim=1)
-        module.rank, module.lora_scaling = rank, scaling
-        module.lora_A = nn.Parameter(new_a.contiguous(), requires_grad=lora_a.requires_grad)
-        module.lora_B = nn.Parameter(new_b.contiguous(), requires_grad=lora_b.requires_grad)
+        _set_factors(module, new_a, new_b, scaling)
     drafter.config.block_lora_rank = rank
     return drafter
 
