@@ -406,7 +406,8 @@ def test_d3d_data_output_loads_as_json_and_trains(target, model_folders, tmp_pat
 def test_train_reads_token_shards_and_takes_the_first_max_samples_rows(target, model_folders, tmp_path, capsys,
                                                                       monkeypatch):  # fmt: skip
     """`d3d-hf train --data FOLDER` reads the token shards of a run without its final dataset (data committed as
-    shards), and `--max_samples N` trains on the first N rows outside the hold-out (a learning curve's prefixes)."""
+    shards), `--max_samples N` trains on the first N rows outside the hold-out (a learning curve's prefixes), and
+    `--skip_samples K` on the rows after the first K."""
     import shutil
 
     from d3d_hf.data import generate_dataset
@@ -427,10 +428,16 @@ def test_train_reads_token_shards_and_takes_the_first_max_samples_rows(target, m
     base = ["train", "--target", str(model_folders / "target"), "--data", str(tmp_path / "data"), "--max_steps", "1"]
     base += ["--tau_holdout", "0", "--init-block-size", "4", "--use_cpu", "--report_to", "none"]
     base += ["--disable_tqdm", "true", "--block_lora_rank", "2"]
-    assert main([*base, "--output-dir", str(tmp_path / "a"), "--max_samples", "1"]) == 0
-    assert len(seen[-1]) == 1
+    assert main([*base, "--output-dir", str(tmp_path / "a"), "--max_samples", "2"]) == 0
+    first_two = seen[-1]
+    assert len(first_two) == 2
+    # `--skip_samples K` continues on the rows after the first K, `--max_samples` counting from there
+    assert main([*base, "--output-dir", str(tmp_path / "s"), "--skip_samples", "1", "--max_samples", "1"]) == 0
+    assert seen[-1] == first_two[1:]
     assert main([*base, "--output-dir", str(tmp_path / "c"), "--max_samples", str(len(prompts) + 1)]) == 2
     assert "--max_samples" in capsys.readouterr().err
+    assert main([*base, "--output-dir", str(tmp_path / "d"), "--skip_samples", str(len(prompts))]) == 2
+    assert "--skip_samples" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -488,13 +495,19 @@ def test_the_trainer_grows_a_drafters_adapters_to_a_higher_rank(target, conversa
         before = drafter(ids, masked_positions=masked).logits
     rows = Dataset.from_list(list(conversations)[:8])
     with pytest.raises(ValueError, match=r"`block_lora_rank=1` is below the drafter's adapter rank \(2\)"):
-        D3DTrainer(drafter, _config(tmp_path / "low", block_lora_rank=1), train_dataset=rows,
-                   processing_class=_tokenizer())
-    kept = D3DTrainer(drafter, _config(tmp_path / "own", block_lora_rank=None), train_dataset=rows,
-                      processing_class=_tokenizer())
+        D3DTrainer(
+            drafter, _config(tmp_path / "low", block_lora_rank=1), train_dataset=rows, processing_class=_tokenizer()
+        )
+    kept = D3DTrainer(
+        drafter, _config(tmp_path / "own", block_lora_rank=None), train_dataset=rows, processing_class=_tokenizer()
+    )
     assert kept.model.config.block_lora_rank == 2
-    trainer = D3DTrainer(drafter, _config(tmp_path / "grow", max_steps=2, block_lora_rank=6),
-                         train_dataset=conversations, processing_class=_tokenizer())
+    trainer = D3DTrainer(
+        drafter,
+        _config(tmp_path / "grow", max_steps=2, block_lora_rank=6),
+        train_dataset=conversations,
+        processing_class=_tokenizer(),
+    )
     up = trainer.model.model.layers[0].mlp.up_proj
     assert trainer.model.config.block_lora_rank == 6 and up.lora_A.shape[0] == 6 and up.lora_B.shape[1] == 6
     with torch.no_grad():

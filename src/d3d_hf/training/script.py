@@ -64,6 +64,9 @@ class D3DTrainScriptArguments:
             every `tau_eval_steps` (a conversational row's prompt is its messages before the last assistant turn).
         max_samples (`int`, *optional*): train on the first `max_samples` rows that are not held out (the held-out
             rows stay the dataset's last `tau_holdout`, so runs of a learning curve share them); default all.
+        skip_samples (`int`, defaults to 0): leave out the first `skip_samples` of those rows, so that a run continued
+            from a drafter trained on them (`drafter`) sees only rows it has not seen; `max_samples` then counts from
+            there.
         threads (`int`, *optional*): torch CPU threads.
         overwrite (`bool`, defaults to `False`): allow a non-empty `output_dir` without resuming.
     """
@@ -95,6 +98,9 @@ class D3DTrainScriptArguments:
     )
     tau_holdout: int = field(default=4, metadata={"help": "Rows held out for tau evaluation."})
     max_samples: int | None = field(default=None, metadata={"help": "Train on the first N rows (learning curves)."})
+    skip_samples: int = field(
+        default=0, metadata={"help": "Leave out the first N rows (continue a drafter on rows it has not seen)."}
+    )
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads."})
     overwrite: bool = field(default=False, metadata={"help": "Allow a non-empty output_dir without resuming."})
 
@@ -128,6 +134,7 @@ class D3DTrainScriptArguments:
                 "cache reads its hidden state."
             )
         names = (("num_layers", 1), ("init_block_size", 2), ("tau_holdout", 0), ("threads", 1), ("max_samples", 1))
+        names = (*names, ("skip_samples", 0))
         for name, low in (*names, ("draft_vocab_size", 1)):
             value = getattr(self, name)
             if value is None and name in ("num_layers", "threads", "max_samples", "draft_vocab_size"):
@@ -276,15 +283,21 @@ def train_drafter(script: D3DTrainScriptArguments, config: D3DTrainingConfig) ->
 
         load_drafter_config(script.drafter)
     target, tokenizer = load_target(script.target, dtype=script.dtype)
-    num_train = len(dataset) - script.tau_holdout
+    num_train = len(dataset) - script.tau_holdout - script.skip_samples
+    if num_train < 1:
+        raise ValueError(
+            f"--skip_samples {script.skip_samples} leaves no rows to train on: the dataset has "
+            f"{len(dataset) - script.tau_holdout} rows outside the hold-out; pass fewer, or generate more data."
+        )
     if script.max_samples is not None:
         if script.max_samples > num_train:
             raise ValueError(
-                f"--max_samples {script.max_samples} is more than the {num_train} rows outside the hold-out: pass at "
-                f"most {num_train}, or generate more data."
+                f"--max_samples {script.max_samples} is more than the {num_train} rows outside the hold-out"
+                + (f" after --skip_samples {script.skip_samples}" if script.skip_samples else "")
+                + f": pass at most {num_train}, or generate more data."
             )
         num_train = script.max_samples
-    train_rows = dataset.select(range(num_train))
+    train_rows = dataset.select(range(script.skip_samples, script.skip_samples + num_train))
     held_out = [dataset[i] for i in range(len(dataset) - script.tau_holdout, len(dataset))]
     tau_prompts = (
         [torch.tensor([_tau_prompt(row, tokenizer)], dtype=torch.long) for row in held_out]
