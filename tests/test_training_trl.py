@@ -440,6 +440,48 @@ def test_train_reads_token_shards_and_takes_the_first_max_samples_rows(target, m
     assert "--skip_samples" in capsys.readouterr().err
 
 
+def test_training_on_from_a_saved_drafter_records_where_it_came_from(target, model_folders, tmp_path, capsys,
+                                                                     monkeypatch):  # fmt: skip
+    """`d3d-hf train --drafter DIR`: the result's card names the drafter it went on from (with the steps and recipe
+    that drafter's card recorded), the adapter rank it grew and the rows it trained on; it keeps the saved card's
+    target and datasets, adds this run's data, and never carries the saved drafter's measured results. A rank below
+    the saved one and rows that do not exist are refused before the target loads."""
+    import d3d_hf.targets
+    from d3d_hf.data import generate_dataset
+    from d3d_hf.hub import DrafterCardData, MeasuredResult, load_card_data
+    from d3d_hf.prompts import load_prompts
+
+    prompts = load_prompts(str(model_folders / "prompts.jsonl"))
+    generate_dataset(target, _tokenizer(), prompts, tmp_path / "data", max_new_tokens=10, progress=False)
+    saved = _drafter(target)
+    saved.add_block_adapter(2, alpha=4.0)
+    saved.card_data = DrafterCardData(
+        target_model="org/target", datasets=["org/rows"], training={"steps": 7, "recipe": "recipe.sh"},
+        results=[MeasuredResult(prompts="humaneval", tau=9.9)],
+    )  # fmt: skip
+    saved.save_pretrained(tmp_path / "saved")
+    base = ["train", "--target", str(model_folders / "target"), "--data", str(tmp_path / "data"), "--drafter"]
+    base += [str(tmp_path / "saved"), "--max_steps", "1", "--tau_holdout", "0", "--use_cpu", "--report_to", "none"]
+    base += ["--disable_tqdm", "true"]
+    assert main([*base, "--output-dir", str(tmp_path / "on"), "--block_lora_rank", "4", "--skip_samples", "1"]) == 0
+    card = load_card_data(tmp_path / "on")
+    assert card.training["continued_from"] == f"{tmp_path / 'saved'} (its card: 7 steps, recipe.sh)"
+    assert card.training["adapter_rank"] == "grown from 2 to 4 (expand_block_adapters)"
+    assert card.training["training_rows"] == f"{tmp_path / 'data'}: rows 1-1"
+    assert card.training["steps"] == 1 and card.results == [] and card.target_model == "org/target"
+    assert card.datasets == ["org/rows", str(tmp_path / "data")]
+    assert "9.9" not in (tmp_path / "on" / "README.md").read_text()
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target loaded before the flags were checked")
+
+    monkeypatch.setattr(d3d_hf.targets, "load_target", no_target)
+    assert main([*base, "--output-dir", str(tmp_path / "low"), "--block_lora_rank", "1"]) == 2
+    assert "below the drafter's adapter rank (2)" in capsys.readouterr().err
+    assert main([*base, "--output-dir", str(tmp_path / "far"), "--skip_samples", "2"]) == 2
+    assert "--skip_samples 2 leaves no rows" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # never on evaluation prompts
 

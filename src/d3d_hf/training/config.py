@@ -170,7 +170,11 @@ class D3DTrainingConfig(SFTConfig):
         whole = {
             "block_size": (self.block_size, 2, "None (the drafter's) or a block size such as 16"),
             "max_length": (self.max_length, 2, "512 (or None: no limit)"),
-            "block_lora_rank": (self.block_lora_rank, 1, "32"),
+            "block_lora_rank": (
+                self.block_lora_rank,
+                1,
+                "32 for new adapters, or leave it unset to train a saved drafter's adapters at their rank",
+            ),
             "block_lora_full_layers": (self.block_lora_full_layers, 0, "0, or a few such as 2"),
             "peft_lora_rank": (self.peft_lora_rank, 1, "16"),
             "tau_eval_steps": (self.tau_eval_steps, 0, "0 (never) or a step interval"),

@@ -18,7 +18,7 @@ import torch
 from ..modeling import D3DForDiffusionDrafting
 from .checkpoints import last_complete_checkpoint
 from .config import D3DTrainingConfig
-from .trainer import D3DTrainer
+from .trainer import D3DTrainer, check_adapter_request
 
 
 @dataclass
@@ -97,7 +97,9 @@ class D3DTrainScriptArguments:
         default="zeros", metadata={"help": "How the state's projection starts: zeros or identity (scaled)."}
     )
     tau_holdout: int = field(default=4, metadata={"help": "Rows held out for tau evaluation."})
-    max_samples: int | None = field(default=None, metadata={"help": "Train on the first N rows (learning curves)."})
+    max_samples: int | None = field(
+        default=None, metadata={"help": "Train on the first N rows after --skip_samples (learning curves)."}
+    )
     skip_samples: int = field(
         default=0, metadata={"help": "Leave out the first N rows (continue a drafter on rows it has not seen)."}
     )
@@ -168,6 +170,48 @@ class D3DTrainScriptArguments:
                     f"{', '.join(new_drafter_flags)} shape only a new drafter initialised from the target: drop them, "
                     "or drop --drafter to initialise a new one."
                 )
+
+
+def continued_card_data(script: D3DTrainScriptArguments, saved, config: D3DTrainingConfig, num_train: int):
+    """The card data of a drafter trained on from a saved one (`--drafter`), before the run adds its own settings.
+
+    It records where the weights came from (`continued_from`: the saved drafter, with the steps and recipe its own
+    card recorded), an adapter rank grown by this run, and the rows trained on; the target and the datasets its card
+    named carry over. Measured results never do: they were measured on the saved weights, not on these.
+
+    Args:
+        script (`D3DTrainScriptArguments`): the run's script arguments (`drafter`, `data`, `skip_samples`).
+        saved (`D3DConfig`): the saved drafter's configuration.
+        config (`D3DTrainingConfig`): the run's settings (`block_lora_rank`).
+        num_train (`int`): the number of training rows, after `skip_samples`.
+
+    Returns:
+        `d3d_hf.hub.DrafterCardData`.
+    """
+    from ..drafters import resolve_drafter
+    from ..hub import DrafterCardData, load_card_data
+
+    folder = resolve_drafter(script.drafter)
+    previous = load_card_data(folder) if Path(folder).is_dir() else None
+    origin = script.drafter
+    earlier = (previous.training or {}) if previous is not None else {}
+    if earlier:
+        recorded = [f"{earlier['steps']} steps" if "steps" in earlier else None, earlier.get("recipe")]
+        recorded = [r for r in recorded if r]
+        origin += f" (its card: {', '.join(recorded)})" if recorded else ""
+    training = {"continued_from": origin}
+    rank = config.block_lora_rank
+    if config.train_mode == "block_adapter" and rank is not None and rank > saved.block_lora_rank > 0:
+        training["adapter_rank"] = f"grown from {saved.block_lora_rank} to {rank} (expand_block_adapters)"
+    first = script.skip_samples
+    training["training_rows"] = f"{script.data}: rows {first}-{first + num_train - 1}"
+    return DrafterCardData(
+        target_model=previous.target_model if previous is not None else None,
+        base_model=previous.base_model if previous is not None else None,
+        datasets=[*(previous.datasets if previous is not None else []), script.data],
+        training=training,
+        license=previous.license if previous is not None else None,
+    )
 
 
 def load_training_dataset(path: str):
@@ -278,11 +322,12 @@ def train_drafter(script: D3DTrainScriptArguments, config: D3DTrainingConfig) ->
             f"The dataset has {len(dataset)} rows; need more than --tau_holdout {script.tau_holdout} (the last rows, "
             "held out to measure tau): add rows, or pass --tau_holdout 0 to train on every row without measuring it."
         )
+    saved_config = None
     if script.drafter:
         from ..drafters import load_drafter_config
 
-        load_drafter_config(script.drafter)
-    target, tokenizer = load_target(script.target, dtype=script.dtype)
+        saved_config = load_drafter_config(script.drafter)
+        check_adapter_request(saved_config, config)
     num_train = len(dataset) - script.tau_holdout - script.skip_samples
     if num_train < 1:
         raise ValueError(
@@ -298,6 +343,7 @@ def train_drafter(script: D3DTrainScriptArguments, config: D3DTrainingConfig) ->
             )
         num_train = script.max_samples
     train_rows = dataset.select(range(script.skip_samples, script.skip_samples + num_train))
+    target, tokenizer = load_target(script.target, dtype=script.dtype)  # after every check that needs no target
     held_out = [dataset[i] for i in range(len(dataset) - script.tau_holdout, len(dataset))]
     tau_prompts = (
         [torch.tensor([_tau_prompt(row, tokenizer)], dtype=torch.long) for row in held_out]
@@ -309,6 +355,7 @@ def train_drafter(script: D3DTrainScriptArguments, config: D3DTrainingConfig) ->
         drafter = load_drafter(script.drafter, dtype=script.dtype)
         if drafter.config.shares_target_weights:
             drafter.attach_target_weights(target)
+        drafter.card_data = continued_card_data(script, saved_config, config, num_train)
     else:
         shares = script.shares_target_weights and config.train_mode == "block_adapter"
         vocab_ids = None

@@ -17,7 +17,7 @@ from trl.data_utils import get_dataset_column_names
 
 from ..adapter_rank import expand_block_adapters
 from ..drafters import BASE_DRAFTER_DIR, EMBEDDED_BASE
-from ..modeling import D3DForDiffusionDrafting
+from ..modeling import D3DConfig, D3DForDiffusionDrafting
 from ..prompts import refuse_evaluation_rows
 from .callbacks import TauCallback, _EpochCallback
 from .checkpoints import is_complete_checkpoint, last_complete_checkpoint
@@ -44,6 +44,41 @@ def _local_tokenizer(model: D3DForDiffusionDrafting):
             except (OSError, ValueError):
                 continue
     return None
+
+
+def check_adapter_request(saved: D3DConfig, args: D3DTrainingConfig) -> None:
+    """Refuses adapter settings that a drafter with block adapters (`saved.block_lora_rank > 0`) cannot train with.
+
+    `d3d-hf train --drafter DIR` calls it before the target loads; `D3DTrainer` again on the model it trains.
+
+    Args:
+        saved (`D3DConfig`): the configuration of the drafter to train on.
+        args (`D3DTrainingConfig`): the run's settings; only `train_mode="block_adapter"` is checked.
+
+    Raises:
+        ValueError: if `block_lora_rank` is below the saved rank (growing is allowed: `expand_block_adapters`), or
+            `block_lora_modules` / `block_lora_full_layers` ask for adapters other than the saved ones.
+    """
+    if args.train_mode != "block_adapter" or not saved.block_lora_rank:
+        return
+    if args.block_lora_rank is not None and args.block_lora_rank < saved.block_lora_rank:
+        raise ValueError(
+            f"`block_lora_rank={args.block_lora_rank}` is below the drafter's adapter rank "
+            f"({saved.block_lora_rank}): leave block_lora_rank unset to train them at their rank, or "
+            "lower it first with `d3d_hf.pruning.truncate_block_adapters` and train the saved result."
+        )
+    if args.block_lora_modules is not None and args.block_lora_modules != saved.block_lora_modules:
+        raise ValueError(
+            f"`block_lora_modules={args.block_lora_modules}` asks for new adapters, but the drafter already "
+            f"has block adapters on {saved.block_lora_modules}: leave block_lora_modules unset to "
+            "train those, or start from a drafter without adapters."
+        )
+    if args.block_lora_full_layers not in (0, saved.block_lora_full_layers):
+        raise ValueError(
+            f"`block_lora_full_layers={args.block_lora_full_layers}` asks for new adapters, but the drafter "
+            f"already has block adapters with {saved.block_lora_full_layers} full-rank layers: leave "
+            "block_lora_full_layers at 0 to train those, or start from a drafter without adapters."
+        )
 
 
 class D3DTrainer(SFTTrainer):
@@ -214,24 +249,8 @@ class D3DTrainer(SFTTrainer):
                     torch.manual_seed(args.seed)
                     adapters = (args.block_lora_rank or 32, args.block_lora_alpha, args.block_lora_modules)
                     model.add_block_adapter(*adapters, full_layers=args.block_lora_full_layers)
-            elif args.block_lora_rank is not None and args.block_lora_rank < model.config.block_lora_rank:
-                raise ValueError(
-                    f"`block_lora_rank={args.block_lora_rank}` is below the drafter's adapter rank "
-                    f"({model.config.block_lora_rank}): leave block_lora_rank unset to train them at their rank, or "
-                    "lower it first with `d3d_hf.pruning.truncate_block_adapters` and train the saved result."
-                )
-            elif args.block_lora_modules is not None and args.block_lora_modules != model.config.block_lora_modules:
-                raise ValueError(
-                    f"`block_lora_modules={args.block_lora_modules}` asks for new adapters, but the drafter already "
-                    f"has block adapters on {model.config.block_lora_modules}: leave block_lora_modules unset to "
-                    "train those, or start from a drafter without adapters."
-                )
-            elif args.block_lora_full_layers not in (0, model.config.block_lora_full_layers):
-                raise ValueError(
-                    f"`block_lora_full_layers={args.block_lora_full_layers}` asks for new adapters, but the drafter "
-                    f"already has block adapters with {model.config.block_lora_full_layers} full-rank layers: leave "
-                    "block_lora_full_layers at 0 to train those, or start from a drafter without adapters."
-                )
+            else:
+                check_adapter_request(model.config, args)
             if args.block_lora_rank is not None and args.block_lora_rank > model.config.block_lora_rank > 0:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(args.seed)
