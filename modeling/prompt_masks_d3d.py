@@ -37,7 +37,8 @@ def check_prompt_mask(
     Raises:
         ValueError: for a mask of another shape; a row that is all padding; a row whose last token is masked (right
             padding, or a prompt that ends with the pad id under transformers' inferred mask: the message names which,
-            and the fix).
+            and the fix; a mask of right padding's shape is named as right padding first, since a tokenizer's
+            right-padded batch and its mask look the same as the inferred mask of prompts ending with the pad id).
     """
     if attention_mask is None:
         return torch.ones_like(input_ids, dtype=torch.bool)
@@ -56,7 +57,8 @@ def check_prompt_mask(
     if not ending:
         return mask
     pad = None if pad_token_id is None else torch.as_tensor(pad_token_id, device=input_ids.device).flatten()
-    if pad is not None and pad.numel() == 1 and torch.equal(mask, input_ids != pad):
+    right_padded = bool((mask[:, :-1] >= mask[:, 1:]).all())  # every row: its tokens, then only zeros
+    if pad is not None and pad.numel() == 1 and torch.equal(mask, input_ids != pad) and not right_padded:
         pad_id = int(pad)
         raise ValueError(
             f"Prompt row(s) {ending} end with the pad token id {pad_id}, and the `attention_mask` is 0 exactly where "
@@ -66,10 +68,17 @@ def check_prompt_mask(
             "its `<|im_end|>`), pass the mask: `attention_mask=torch.ones_like(input_ids)` (or the tokenizer's). If "
             "the rows are right-padded, pad them on the left (`tokenizer.padding_side = 'left'`)."
         )
+    also = ""
+    if pad is not None and pad.numel() == 1 and torch.equal(mask, input_ids != pad):
+        also = (
+            f" (If no `attention_mask` was passed and the prompts really end with the pad token id {int(pad)}: "
+            "transformers inferred a mask that hides it; pass `attention_mask=torch.ones_like(input_ids)`.)"
+        )
     raise ValueError(
         f"Batched D3D decoding needs every prompt's last token to be real, and the `attention_mask` of row(s) {ending} "
         "is 0 in the last column: pad prompts on the left (padding first, then the tokens), as transformers' batched "
         "generation of decoder-only models does: set `tokenizer.padding_side = 'left'` before tokenizing the batch."
+        + also
     )
 
 

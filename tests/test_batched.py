@@ -548,6 +548,23 @@ def test_pad_id_inside_a_prompt_without_attention_mask_decodes_as_target_only(ti
         target.generate(ending, assistant_model=own, **kw)
 
 
+def test_a_masked_last_token_is_named_by_the_masks_shape():
+    """A right-padded batch with its tokenizer's mask (which equals `input_ids != pad_id` whenever the prompts hold no
+    pad id) is named as right padding first, with the left-padding fix; a mask with holes inside the prompt that hides
+    the last token is named as transformers' inferred mask, with the `attention_mask` fix."""
+    from d3d_hf.modeling.prompt_masks_d3d import check_prompt_mask
+
+    right = torch.tensor([[5, 6, 7], [5, 6, 0]])
+    with pytest.raises(ValueError) as refused:
+        check_prompt_mask(right, (right != 0).long(), pad_token_id=0)
+    message = str(refused.value)
+    assert message.startswith("Batched D3D decoding needs every prompt's last token to be real"), message
+    assert message.index("padding_side = 'left'") < message.index("attention_mask=torch.ones_like(input_ids)")
+    holed = torch.tensor([[5, 0, 7, 0]])
+    with pytest.raises(ValueError, match=r"^Prompt row\(s\) \[0\] end with the pad token id 0"):
+        check_prompt_mask(holed, (holed != 0).long(), pad_token_id=0)
+
+
 def test_smollm2_prompt_with_its_pad_id_without_attention_mask(smollm2):
     """SmolLM2's pad id is `<|im_end|>`, which its chat template puts inside every prompt: without `attention_mask`
     and with an eos other than the pad id, the shipped drafter decodes token for token what target-only `generate`
