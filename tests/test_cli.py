@@ -56,6 +56,23 @@ def test_bad_values_are_rejected_by_the_parser(argv, capsys):
     assert "expected" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["folder", "hub"])
+def test_a_target_that_cannot_load_names_the_known_targets(where, tmp_path, capsys, monkeypatch):
+    """A missing folder or an unreachable Hub id: one message, with the known target names once and no doubled
+    full stop."""
+    if where == "hub":
+        import d3d_hf.targets
+
+        def offline(*args, **kwargs):
+            raise OSError("We couldn't connect to 'https://huggingface.co'. See offline mode.")
+
+        monkeypatch.setattr(d3d_hf.targets, "load_target", offline)
+    target = str(tmp_path / "absent") if where == "folder" else "nosuch-org/nosuch-target"
+    assert main(["bench", "--methods", "target", "--target", target, "--limit", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("smollm2-135m-instruct") == 1 and ".." not in err, err
+
+
 def test_missing_drafter_folder(tmp_path, capsys):
     assert main(["generate", "--drafter", str(tmp_path / "none"), "--prompt", "hi"]) == 2
     assert "init-drafter" in capsys.readouterr().err
@@ -273,3 +290,19 @@ def test_a_missing_optional_package_is_one_error_line(monkeypatch, capsys):
     monkeypatch.setattr("d3d_hf.prompts.load_prompts", missing)
     assert main(["bench", "--drafter", "x", "--prompts", "mt-bench", "--limit", "1"]) == 2
     assert "error: The 'mt-bench' prompt set needs" in capsys.readouterr().err
+
+
+def test_generate_reports_rounds_by_source_and_why_none_drafted():
+    """`d3d-hf generate`'s closing lines count the rounds by where their candidates came from; when the cost-aware
+    engine drafted in none, they say so and name the option that drafts every round."""
+    from types import SimpleNamespace
+
+    from d3d_hf.cli.generate import round_report
+
+    mixed = SimpleNamespace(new_tokens=9, rounds=4, tau=2.25, round_sources=["drafter", "lookup", "drafter", "target"])
+    report = round_report(mixed)
+    assert "tau 2.25; rounds: drafter 2, lookup 1, target 1" in report and "no round drafted" not in report
+    plain = SimpleNamespace(new_tokens=3, rounds=3, tau=1.0, round_sources=["target", "lookup", "target"])
+    report = round_report(plain)
+    assert "rounds: drafter 0, lookup 1, target 2" in report
+    assert 'no round drafted' in report and 'd3d_num_drafts="full"' in report

@@ -95,8 +95,17 @@ def _load_pair(args):
     try:
         target, tokenizer = load_target(target_name, dtype=args.dtype)
     except (OSError, ValueError) as err:
+        from ..targets import KNOWN_TARGETS
+
         origin = "--target" if args.target else f"the target recorded in the drafter's config ({args.drafter})"
-        raise ValueError(f"cannot load {origin} {target_name!r}: {err}. Pass --target NAME_OR_PATH.") from err
+        reason = str(err).rstrip(". ")
+        advice = (
+            ""
+            if "known names" in reason.lower()  # load_target's own message already lists them
+            else f" Pass --target with a known name ({', '.join(sorted(KNOWN_TARGETS))}), a local folder or .gguf "
+            "file, or a Hub id this machine can reach."
+        )
+        raise ValueError(f"cannot load {origin} {target_name!r}: {reason}.{advice}") from err
     if drafter is not None and getattr(args, "block_size", None) is not None:
         drafter.config.block_size = args.block_size
     return target_name, target, tokenizer, drafter

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections import Counter
 
 import torch
 
@@ -58,6 +59,22 @@ def _generate(args) -> int:
         streamer=streamer,
         **kwargs,
     )
-    stats = drafter.last_generation_stats
-    print(f"\n[d3d] tokens {stats.new_tokens}, target forwards {stats.rounds}, tau {stats.tau:.2f}", file=sys.stderr)
+    print(round_report(drafter.last_generation_stats), file=sys.stderr)
     return 0
+
+
+def round_report(stats) -> str:
+    """The lines `d3d-hf generate` prints after the text: tokens, target forwards, tau, and the rounds by where their
+    candidates came from (`D3DGenerationStats.round_sources`); when no round drafted, why, and how to draft anyway."""
+    sources = Counter(stats.round_sources)
+    by_source = ", ".join(f"{name} {sources[name]}" for name in ("drafter", "lookup", "target"))
+    head = f"\n[d3d] tokens {stats.new_tokens}, target forwards {stats.rounds}, tau {stats.tau:.2f}"
+    lines = [f"{head}; rounds: {by_source}"]
+    if stats.rounds and not sources["drafter"]:
+        lines.append(
+            "[d3d] no round drafted: the cost-aware engine rated a draft pass not worth its cost on this machine for "
+            "this text (prompt lookup or plain target steps were cheaper per token). In Python, "
+            '`target.generate(..., assistant_model=drafter, d3d_num_drafts="full", d3d_prompt_lookup=False)` drafts '
+            "every round."
+        )
+    return "\n".join(lines)
