@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The autoregressive baseline for `d3d-hf bench --methods ar-assist --assistant DIR`: an autoregressive drafter of
 # SmolLM2-135M-Instruct trained through D3DTrainer with the block-diffusion loss off (`--block_loss_weight 0`), on the
-# same data and step budget as the shipped D3D drafter (examples/train_smollm2_drafter.sh: 700 steps of 4 sequences),
+# same data and step budget as the D3D drafter of examples/train_smollm2_drafter.sh (700 steps of 4 sequences),
 # then exported as a plain causal-LM folder (LlamaForCausalLM + the target's tokenizer).
 # Every step checkpoints and resumes: run the script again after an interruption and it continues.
 #   bash examples/train_ar_assistant.sh            # -> runs/smollm2-ar-assistant

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Reproduces the shipped drafter `d3d-smollm2-135m-instruct` (src/d3d_hf/pretrained/) on a CPU machine.
+# The recipe of the shipped drafter `d3d-smollm2-135m-instruct` (src/d3d_hf/pretrained/) on a CPU machine, by
+# default on stdlib prompts alone for 700 steps; the shipped drafter itself is this recipe on stdlib, math and chat
+# prompts for 1,400 steps: examples/train_smollm2_drafter_mixed.sh.
 # Every step checkpoints and resumes: run the script again after an interruption and it continues.
 #   bash examples/train_smollm2_drafter.sh
 # PROMPTS, DATA, RUN, STEPS and TAU_EVAL_STEPS change the data and the run (examples/train_smollm2_drafter_mixed.sh).

