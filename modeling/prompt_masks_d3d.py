@@ -57,8 +57,9 @@ def check_prompt_mask(
     if not ending:
         return mask
     pad = None if pad_token_id is None else torch.as_tensor(pad_token_id, device=input_ids.device).flatten()
+    inferred = pad is not None and pad.numel() == 1 and torch.equal(mask, input_ids != pad)  # could be transformers'
     right_padded = bool((mask[:, :-1] >= mask[:, 1:]).all())  # every row: its tokens, then only zeros
-    if pad is not None and pad.numel() == 1 and torch.equal(mask, input_ids != pad) and not right_padded:
+    if inferred and not right_padded:
         pad_id = int(pad)
         raise ValueError(
             f"Prompt row(s) {ending} end with the pad token id {pad_id}, and the `attention_mask` is 0 exactly where "
@@ -68,12 +69,12 @@ def check_prompt_mask(
             "its `<|im_end|>`), pass the mask: `attention_mask=torch.ones_like(input_ids)` (or the tokenizer's). If "
             "the rows are right-padded, pad them on the left (`tokenizer.padding_side = 'left'`)."
         )
-    also = ""
-    if pad is not None and pad.numel() == 1 and torch.equal(mask, input_ids != pad):
-        also = (
-            f" (If no `attention_mask` was passed and the prompts really end with the pad token id {int(pad)}: "
-            "transformers inferred a mask that hides it; pass `attention_mask=torch.ones_like(input_ids)`.)"
-        )
+    also = (
+        f" (If no `attention_mask` was passed and the prompts really end with the pad token id {int(pad)}: "
+        "transformers inferred a mask that hides it; pass `attention_mask=torch.ones_like(input_ids)`.)"
+        if inferred
+        else ""
+    )
     raise ValueError(
         f"Batched D3D decoding needs every prompt's last token to be real, and the `attention_mask` of row(s) {ending} "
         "is 0 in the last column: pad prompts on the left (padding first, then the tokens), as transformers' batched "

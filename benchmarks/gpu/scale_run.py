@@ -132,12 +132,8 @@ def _row_count(answers: Path) -> int:
 
 def _missing_drafters(capacities: list[str]) -> list[str]:
     """The `--drafter` folders (warm-start presets) of `capacities` that hold no drafter here."""
-    missing = []
-    for capacity in capacities:
-        flags = CAPACITIES[capacity]
-        if "--drafter" in flags and not (Path(flags[flags.index("--drafter") + 1]) / "config.json").is_file():
-            missing.append(flags[flags.index("--drafter") + 1])
-    return missing
+    folders = [flags[flags.index("--drafter") + 1] for flags in map(CAPACITIES.get, capacities) if "--drafter" in flags]
+    return [folder for folder in folders if not (Path(folder) / "config.json").is_file()]
 
 
 def run(args) -> None:
