@@ -16,7 +16,7 @@ from d3d_hf.cli import main
         (["bench", "--methods", "target,d3d"], "needs --drafter"),
         (["bench", "--drafter", "x", "--limit", "0"], "--limit must be >= 1"),
         (["bench", "--drafter", "x", "--prompts", "/nonexistent/prompts.jsonl"], "does not exist"),
-        (["bench", "--drafter", "x", "--worker-threads", "1"], "--worker-threads only apply to method d3d-async"),
+        (["bench", "--drafter", "x", "--worker-threads", "1"], "--worker-threads only applies to method d3d-async"),
         (["bench", "--drafter", "x", "--num-hypotheses", "2", "--reuse-on-miss"], "--num-hypotheses, --reuse-on-miss"),
     ],
 )
@@ -121,6 +121,20 @@ def test_bench_argument_errors_for_new_methods(tiny_folders, capsys):
     assert "does not use the target's tokenizer" in capsys.readouterr().err
 
 
+def test_a_missing_assistant_path_is_refused_before_any_model_loads(tiny_folders, capsys, monkeypatch):
+    import d3d_hf.targets
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the --assistant check")
+
+    monkeypatch.setattr(d3d_hf.targets, "load_target", no_load)
+    missing = tiny_folders / "no_such_assistant"
+    args = ["bench", "--target", str(tiny_folders / "target"), "--assistant", str(missing)]
+    assert main([*args, "--methods", "target,ar-assist", "--prompts", str(tiny_folders / "prompts.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "no such file or folder" in err and "ar-smollm2-135m-instruct" in err and "Traceback" not in err
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # values from outside are validated where they enter, before any model loads (issue 17)
 
@@ -210,7 +224,7 @@ def test_drafter_dependent_options_are_checked_before_loading(tiny_folders, no_m
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--temperature", "0.7"], "--temperature only apply when sampling: add --do-sample"),
+        (["--temperature", "0.7"], "--temperature only applies when sampling: add --do-sample"),
         (["--top-k", "5", "--top-p", "0.9"], "--top-k, --top-p only apply when sampling"),
         (["--do-sample", "--temperature", "0"], "--temperature must be > 0"),
         (["--do-sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),

@@ -27,6 +27,20 @@ def test_load_drafter_errors(tmp_path):
         load_drafter(str(tmp_path / "llama"))
 
 
+def test_a_mistyped_drafter_name_is_refused_at_once_with_the_shipped_name(tmp_path, monkeypatch):
+    import transformers
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the Hub was asked for a name that cannot be a Hub id")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_hub)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="Did you mean 'd3d-smollm2-135m-instruct'"):
+        load_drafter("d3d-smollm2")
+    with pytest.raises(FileNotFoundError, match="owner/name"):
+        load_drafter("zzz")
+
+
 def test_shipped_drafter_holds_no_bundle_copy_and_exports_the_current_bundle(tmp_path):
     """Inside the package the shipped checkpoint is weights, config and card (the registered model_type loads it);
     what a user downloads is an export, which must carry the current bundle, file for file."""

@@ -100,3 +100,26 @@ def test_suite_table_aligns_optional_columns():
 def test_write_report_rejects_nothing(tmp_path):
     with pytest.raises(ValueError, match="No results"):
         write_report([], tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{}", "no `summary` of methods"),
+        (
+            '{"summary": {"target": {"tau": 1.0}}, "runs": {"target": []}}',
+            "summary of `target` lacks tokens_per_second",
+        ),
+        ('{"summary": {"d3d": {}}}', "`runs` do not cover"),
+        ('{"a": 1}\n{"b": 2}\n', "is not a JSON file"),
+        ("[1, 2]", "no `summary` of methods"),
+    ],
+)
+def test_report_refuses_a_file_that_is_not_a_bench_result(tmp_path, capsys, content, message):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    out = tmp_path / "report"
+    assert main(["report", str(bad), "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(bad) in err and "Traceback" not in err
+    assert not out.exists()  # refused before anything was written

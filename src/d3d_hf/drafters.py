@@ -161,8 +161,8 @@ def load_drafter(
         `D3DForDiffusionDrafting` in eval mode.
 
     Raises:
-        FileNotFoundError: if a local-looking path does not exist, or a local folder has no config.json or no
-            weights file.
+        FileNotFoundError: if a local-looking path does not exist, a local folder has no config.json or no weights
+            file, or a name without `/` is neither shipped nor local (a Hub id is `owner/name`).
         ValueError: if the checkpoint is not a D3D drafter, its config.json is not valid JSON, lacks `model_type`
             or a required field (`D3DConfig.from_dict`), or its weights do not match its config (no mask token,
             missing or unused tensors; `D3DForDiffusionDrafting.from_pretrained`), or an adapter folder names no
@@ -198,6 +198,15 @@ def load_drafter_config(name_or_path: str) -> D3DConfig:
     looks_local = os.path.sep in name_or_path or name_or_path.startswith(".") or os.path.exists(name_or_path)
     if looks_local:
         _check_local_drafter_folder(name_or_path)
+    elif "/" not in name_or_path:  # neither shipped, nor local, nor a Hub id (`owner/name`): a typo, refused at once
+        import difflib
+
+        close = difflib.get_close_matches(name_or_path, KNOWN_DRAFTERS, n=1, cutoff=0.5)
+        raise FileNotFoundError(
+            f"No drafter {name_or_path!r}: it is not a shipped drafter ({', '.join(sorted(KNOWN_DRAFTERS))}), a "
+            "local folder, or a Hub id (`owner/name`)."
+            + (f" Did you mean {close[0]!r}?" if close else " Pass one of those.")
+        )
     try:
         config = AutoConfig.from_pretrained(name_or_path)
     except OSError as err:

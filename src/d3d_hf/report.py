@@ -16,6 +16,7 @@ Plots use matplotlib's object API (`matplotlib.figure.Figure`), which neither ne
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -202,6 +203,56 @@ def plot_round_time(results: Sequence[dict[str, Any]], path: str | Path) -> Path
     return path
 
 
+# what every method's summary of a `d3d-hf bench` result holds that the tables and plots read
+_SUMMARY_KEYS = ("tokens_per_second", "speedup", "median_speedup", "tau", "lossless_match", "draft_ms", "verify_ms")
+
+
+def load_bench_results(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
+    """Reads the results files of `d3d-hf bench` (`--output FILE`, or `results.json` of `--output-dir`) for
+    `write_report`, checking each before anything is written.
+
+    Args:
+        paths (sequence of `str` or `Path`): one JSON file per bench run.
+
+    Returns:
+        The results, in the order given.
+
+    Raises:
+        FileNotFoundError: if a path is not a file.
+        ValueError: naming the file, if it is not JSON or not a bench result: a JSON object whose `summary` maps each
+            method to its numbers (`tokens_per_second`, `speedup`, `tau`, ...) and whose `runs` holds that method's
+            per-prompt runs.
+    """
+    results = []
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise FileNotFoundError(f"No results file at {path}; write one with `d3d-hf bench --output FILE`.")
+        try:
+            result = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is not a JSON file ({err}): pass the results file of `d3d-hf bench`.") from err
+        summary = result.get("summary") if isinstance(result, dict) else None
+        runs = result.get("runs") if isinstance(result, dict) else None
+        problem = None
+        if not isinstance(summary, dict) or not summary:
+            problem = "it has no `summary` of methods"
+        elif not isinstance(runs, dict) or set(summary) - set(runs):
+            problem = "its `runs` do not cover every method of its `summary`"
+        else:
+            for method, numbers in summary.items():
+                missing = [key for key in _SUMMARY_KEYS if not isinstance(numbers, dict) or key not in numbers]
+                if missing:
+                    problem = f"the summary of `{method}` lacks {', '.join(missing)}"
+                    break
+        if problem:
+            raise ValueError(
+                f"{path} is not a result of `d3d-hf bench`: {problem}. Pass the file that `d3d-hf bench --output "
+                "FILE` wrote, or the results.json of its `--output-dir`."
+            )
+        results.append(result)
+    return results
+
+
 def write_report(results: Sequence[dict[str, Any]], output_dir: str | Path, title: str = "Benchmark") -> list[Path]:
     """Writes `report.md` and the three plots (module docstring) for `results` into `output_dir` (created).
 
@@ -243,6 +294,7 @@ def write_report(results: Sequence[dict[str, Any]], output_dir: str | Path, titl
 __all__ = [
     "PLOTS",
     "format_suite_table",
+    "load_bench_results",
     "plot_round_time",
     "plot_speedup",
     "plot_tau_distribution",

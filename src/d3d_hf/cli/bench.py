@@ -85,6 +85,18 @@ def _add_cost_model_parser(sub) -> None:
     _add_common(p)
 
 
+def _check_assistant_name(name: str) -> None:
+    """Refuses, before any model loads, an `--assistant` that names a local path that does not exist."""
+    from ..assistants import KNOWN_ASSISTANTS
+    from ..targets import _looks_like_path
+
+    if name not in KNOWN_ASSISTANTS and _looks_like_path(name) and not Path(name).expanduser().exists():
+        raise FileNotFoundError(
+            f"--assistant {name!r}: no such file or folder. Pass a shipped assistant "
+            f"({', '.join(sorted(KNOWN_ASSISTANTS))}), an existing folder, or a Hub id this machine can reach."
+        )
+
+
 def _load_assistant(name: str, dtype: str, tokenizer, target):
     """Loads an autoregressive assistant (`assistants.load_assistant`: a shipped name, a layers-only folder that takes
     the target's embeddings, or any causal LM) and checks that it shares the target's tokenizer."""
@@ -134,7 +146,8 @@ def _bench(args) -> int:
             unused.setdefault(OPTION_METHODS[name], []).append(option_flag(fields[name]))
     for applies, flags in unused.items():
         which = "method " + applies[0] if len(applies) == 1 else "methods " + ", ".join(applies)
-        raise ValueError(f"{', '.join(flags)} only apply to {which}: add it to --methods or drop them")
+        verb = "applies" if len(flags) == 1 else "apply"
+        raise ValueError(f"{', '.join(flags)} only {verb} to {which}: add {which} to --methods or drop the flags")
     given = {"drafter": args.drafter or None, "assistant": args.assistant or None}  # what the flags can give
     missing = missing_resource(methods, given)
     if missing is not None:
@@ -143,6 +156,8 @@ def _bench(args) -> int:
             raise ValueError(f"method {m} needs a {needed}, which the command line cannot give")
         hint = " (the shipped one: --assistant ar-smollm2-135m-instruct)" if needed == "assistant" else ""
         raise ValueError(f"method {m} needs --{needed}{hint}")
+    if args.assistant:
+        _check_assistant_name(args.assistant)
     output = Path(args.output) if args.output else None
     _check_output_file(output, args.overwrite)
     output_dir = Path(args.output_dir) if args.output_dir else None
@@ -252,14 +267,10 @@ def _bench(args) -> int:
 
 
 def _report(args) -> int:
-    from ..report import write_report
+    from ..report import load_bench_results, write_report
     from ..utils import ensure_writable_dir
 
-    results = []
-    for path in args.results:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"No results file at {path}; write one with `d3d-hf bench --output FILE`.")
-        results.append(json.loads(Path(path).read_text()))
+    results = load_bench_results(args.results)  # every file checked before the folder is made
     output_dir = ensure_writable_dir(args.output_dir, args.overwrite)
     written = write_report(results, output_dir, title=args.title)
     print("wrote " + ", ".join(str(p) for p in written))

@@ -36,7 +36,8 @@ def _generate(args) -> int:
     given = [flag for flag, value in sampling.items() if value is not None]
     if given and not args.do_sample:
         raise ValueError(
-            f"{', '.join(given)} only apply when sampling: add --do-sample, or drop them for greedy decoding"
+            f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} when sampling: add --do-sample, "
+            "or drop them for greedy decoding"
         )
     if args.temperature is not None and args.temperature <= 0:
         raise ValueError(f"--temperature must be > 0, got {args.temperature} (for greedy decoding drop --do-sample)")
