@@ -320,3 +320,18 @@ def test_generate_reports_rounds_by_source_and_why_none_drafted():
     report = round_report(plain)
     assert "rounds: drafter 0, lookup 1, target 2" in report
     assert 'no round drafted' in report and 'd3d_num_drafts="full"' in report
+
+
+def test_bench_notes_a_d3d_method_that_never_drafted():
+    from d3d_hf.cli.bench import idle_drafter_notes
+
+    summary = {
+        "target": {"round_sources": {"target": 8}},
+        "d3d": {"round_sources": {"lookup": 3, "target": 5}},
+        "d3d-tree": {"round_sources": {"drafter": 2, "target": 3}},
+        "engine-lookup": {"round_sources": {"lookup": 3, "target": 5}},  # never drafts, by design
+    }
+    notes = idle_drafter_notes(summary)
+    assert len(notes) == 1 and notes[0].startswith("note: d3d drafted no round")
+    assert "--num-drafts full --no-prompt-lookup" in notes[0]
+    assert idle_drafter_notes({"d3d": {"round_sources": {}}}) == []  # no rounds recorded: nothing to say

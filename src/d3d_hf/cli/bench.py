@@ -85,6 +85,22 @@ def _add_cost_model_parser(sub) -> None:
     _add_common(p)
 
 
+def idle_drafter_notes(summary: dict) -> list[str]:
+    """One line for each of `d3d`, `d3d-tree` in a bench `summary` whose rounds never drafted: the cost-aware engine
+    rated every draft pass not worth its cost on this machine (its `round_sources` hold only lookup and target
+    rounds), so that method's numbers say nothing about the drafter, and how to make it draft every round."""
+    notes = []
+    for method in ("d3d", "d3d-tree"):
+        sources = (summary.get(method) or {}).get("round_sources") or {}
+        if sum(sources.values()) and not sources.get("drafter"):
+            notes.append(
+                f"note: {method} drafted no round: the cost-aware engine found prompt lookup or plain target steps "
+                "cheaper per token than a draft pass on this machine for these prompts, so its row measures the "
+                "engine without the drafter. Add --num-drafts full --no-prompt-lookup to draft every round."
+            )
+    return notes
+
+
 def _check_assistant_name(name: str) -> None:
     """Refuses, before any model loads, an `--assistant` that names a local path that does not exist."""
     from ..assistants import KNOWN_ASSISTANTS
@@ -252,6 +268,8 @@ def _bench(args) -> int:
     if plans:
         print()
         print(plans)
+    for note in idle_drafter_notes(result["summary"]):
+        print("\n" + note)
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(result, indent=2))
