@@ -243,6 +243,7 @@ def test_other_values_are_checked_before_loading(tiny_folders, no_model_loads, c
             ["data", "--target", target, "--output", str(tiny_folders / "d"), "--temperature", "-1"],
             "--temperature must",
         ),
+        (["data", "--target", target, "--output", target], "is not empty and holds no"),  # a folder of other files
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv

@@ -210,11 +210,31 @@ def generate_batch(
     return [_trim(row, eos_token_ids) for row in new]
 
 
+def check_output_folder(output_dir: str | os.PathLike, overwrite: bool = False) -> None:
+    """The checks of a ``generate_dataset`` output folder that need no target, so that ``d3d-hf data`` runs them
+    before it loads one: the folder must not be a file, and must be new, empty, or an earlier run (which
+    ``generate_dataset`` then resumes or refuses by its settings) unless ``overwrite``.
+
+    Raises:
+        FileExistsError: ``output_dir`` is a file, or is non-empty without being an earlier run and ``overwrite`` is
+            not set.
+    """
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise FileExistsError(f"{output_dir} is a file; choose a folder for the generated data.")
+    if overwrite or (output_dir / SETTINGS_FILE).is_file():
+        return
+    if output_dir.is_dir() and any(output_dir.iterdir()):
+        raise FileExistsError(
+            f"{output_dir} is not empty and holds no {SETTINGS_FILE}: choose an empty or new folder, or pass "
+            "overwrite=True (--overwrite) to write into it (other files are kept)."
+        )
+
+
 def _prepare_output(output_dir: Path, settings: dict, resume: bool, overwrite: bool) -> dict | None:
     """Check ``output_dir`` may be written; returns the settings of an earlier run to resume, or ``None``."""
     settings_path = output_dir / SETTINGS_FILE
-    if output_dir.exists() and not output_dir.is_dir():
-        raise FileExistsError(f"{output_dir} is a file; choose a folder for the generated data.")
+    check_output_folder(output_dir, overwrite)
     if overwrite:
         for name in (SHARDS_DIR, DATASET_DIR):
             if (output_dir / name).is_dir():
@@ -240,11 +260,6 @@ def _prepare_output(output_dir: Path, settings: dict, resume: bool, overwrite: b
                 + "). Use another output folder, or pass overwrite=True (--overwrite) to start over."
             )
         return old
-    if output_dir.is_dir() and any(output_dir.iterdir()):
-        raise FileExistsError(
-            f"{output_dir} is not empty and holds no {SETTINGS_FILE}: choose an empty or new folder, or pass "
-            "overwrite=True (--overwrite) to write into it (other files are kept)."
-        )
     return None
 
 
@@ -539,6 +554,7 @@ __all__ = [
     "SHARDS_DIR",
     "STDLIB_KINDS",
     "STDLIB_LICENSE",
+    "check_output_folder",
     "generate_batch",
     "generate_dataset",
     "load_generated_rows",

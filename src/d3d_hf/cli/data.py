@@ -62,11 +62,12 @@ def _domain_counts(text: str) -> dict[str, int]:
 
 
 def _data(args) -> int:
-    from ..data import generate_dataset, load_prompt_sources
+    from ..data import check_output_folder, generate_dataset, load_prompt_sources
     from ..targets import load_target
 
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    check_output_folder(args.output, args.overwrite)  # before the (slow) target loads
     prompts = load_prompt_sources(args.prompts, seed=args.seed)
     if args.shuffle:
         prompts = random.Random(args.seed).sample(prompts, len(prompts))
