@@ -162,8 +162,9 @@ def _bench(args) -> int:
             unused.setdefault(OPTION_METHODS[name], []).append(option_flag(fields[name]))
     for applies, flags in unused.items():
         which = "method " + applies[0] if len(applies) == 1 else "methods " + ", ".join(applies)
-        verb = "applies" if len(flags) == 1 else "apply"
-        raise ValueError(f"{', '.join(flags)} only {verb} to {which}: add {which} to --methods or drop the flags")
+        verb, them = ("applies", "it") if len(flags) == 1 else ("apply", "them")
+        add = which if len(applies) == 1 else "one of them"
+        raise ValueError(f"{', '.join(flags)} only {verb} to {which}: add {add} to --methods or drop {them}")
     given = {"drafter": args.drafter or None, "assistant": args.assistant or None}  # what the flags can give
     missing = missing_resource(methods, given)
     if missing is not None:
